@@ -1,0 +1,55 @@
+"""Checking that a verified body is a Stripe event envelope we can record.
+
+Pure: no IO. Errors say what is wrong without echoing any value from the body.
+"""
+from __future__ import annotations
+
+import json
+
+from ledger.errors import LedgerError
+from ledger.store import IncomingEvent
+
+
+class InvalidEvent(LedgerError):
+    """The body is not a Stripe event object."""
+
+
+def parse_event(body: bytes) -> IncomingEvent:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidEvent("body is not UTF-8") from None
+    try:
+        # strict JSON: Postgres' json type rejects NaN/Infinity, so must we.
+        data = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        raise InvalidEvent("body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise InvalidEvent("body is not a JSON object")
+    event_id = data.get("id")
+    if not isinstance(event_id, str) or not event_id.startswith("evt_") or len(event_id) > 255:
+        raise InvalidEvent("'id' must be a string starting with 'evt_'")
+    event_type = data.get("type")
+    if not isinstance(event_type, str) or not event_type or len(event_type) > 255:
+        raise InvalidEvent("'type' must be a non-empty string")
+    obj = (data.get("data") or {}).get("object") if isinstance(data.get("data"), dict) else None
+    if not isinstance(obj, dict):
+        raise InvalidEvent("'data.object' must be an object")
+    created = data.get("created")
+    if not isinstance(created, int) or isinstance(created, bool) or not 0 <= created < 2**37:
+        raise InvalidEvent("'created' must be a Unix timestamp")
+    api_version = data.get("api_version")
+    account = data.get("account")
+    return IncomingEvent(
+        id=event_id,
+        type=event_type,
+        created=created,
+        livemode=data.get("livemode") is True,
+        api_version=api_version if isinstance(api_version, str) else None,
+        account=account if isinstance(account, str) else None,
+        payload=text,
+    )
+
+
+def _reject_constant(name: str):
+    raise ValueError(name)

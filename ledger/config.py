@@ -1,0 +1,121 @@
+"""Settings read once from the environment and validated at start-up.
+
+Every process (receiver, worker, sweep, ledgerctl) builds one ``Settings``;
+a missing or malformed value raises ``ConfigError`` with one line that names
+the variable, before the process serves anything.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Mapping
+from urllib.parse import urlsplit
+
+from ledger.errors import ConfigError
+
+_DATABASE_SCHEMES = {"postgresql", "postgres"}
+_BROKER_SCHEMES = {"redis", "rediss", "amqp", "amqps", "pyamqp", "memory"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str = "postgresql:///ledger"
+    broker_url: str = "redis://localhost:6379/0"
+    # Several secrets may be valid at once so a secret can be rolled without downtime.
+    webhook_secrets: tuple[str, ...] = ()
+    stripe_api_key: str | None = field(default=None, repr=False)
+    stripe_api_base: str | None = None
+    signature_tolerance_s: int = 300
+    max_body_bytes: int = 1024 * 1024
+    # Receiver: how long a request may wait for a pooled connection / the INSERT.
+    db_pool_timeout_s: float = 2.0
+    db_statement_timeout_ms: int = 5000
+    db_pool_max_size: int = 4
+    # Receiver: a broker that does not answer within this is treated as down
+    # (the row is durable; the sweep re-drives it).
+    broker_timeout_s: float = 1.0
+    queue_name: str = "stripe-events"
+    # Workers: lease length, retry schedule.
+    lease_s: int = 120
+    max_attempts: int = 8
+    retry_base_s: float = 2.0
+    retry_cap_s: float = 3600.0
+    # Sweep: a wake-up is overdue after this long; at most this many per pass.
+    sweep_overdue_s: float = 15.0
+    sweep_batch: int = 500
+    sweep_interval_s: float = 5.0
+    # User handler modules (import paths) and the price/product -> features map.
+    handler_modules: tuple[str, ...] = ()
+    entitlements_map_path: str | None = None
+
+    def require_webhook_secrets(self) -> tuple[str, ...]:
+        if not self.webhook_secrets:
+            raise ConfigError("STRIPE_WEBHOOK_SECRET is not set: the receiver cannot verify signatures")
+        return self.webhook_secrets
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        env = os.environ if environ is None else environ
+        defaults = cls()
+        return cls(
+            database_url=_url(env, "DATABASE_URL", defaults.database_url, _DATABASE_SCHEMES),
+            broker_url=_url(env, "CELERY_BROKER_URL", defaults.broker_url, _BROKER_SCHEMES),
+            webhook_secrets=_secrets(env.get("STRIPE_WEBHOOK_SECRET", "")),
+            stripe_api_key=env.get("STRIPE_API_KEY") or None,
+            stripe_api_base=_optional_http_url(env, "STRIPE_API_BASE"),
+            signature_tolerance_s=_number(env, "STRIPE_SIGNATURE_TOLERANCE_S", defaults.signature_tolerance_s, int, minimum=1),
+            max_body_bytes=_number(env, "INGEST_MAX_BODY_BYTES", defaults.max_body_bytes, int, minimum=1024),
+            db_pool_timeout_s=_number(env, "DB_POOL_TIMEOUT_S", defaults.db_pool_timeout_s, float, minimum=0.1),
+            db_statement_timeout_ms=_number(env, "DB_STATEMENT_TIMEOUT_MS", defaults.db_statement_timeout_ms, int, minimum=100),
+            db_pool_max_size=_number(env, "DB_POOL_MAX_SIZE", defaults.db_pool_max_size, int, minimum=1),
+            broker_timeout_s=_number(env, "BROKER_TIMEOUT_S", defaults.broker_timeout_s, float, minimum=0.1),
+            queue_name=env.get("LEDGER_QUEUE", defaults.queue_name) or defaults.queue_name,
+            lease_s=_number(env, "LEDGER_LEASE_S", defaults.lease_s, int, minimum=5),
+            max_attempts=_number(env, "LEDGER_MAX_ATTEMPTS", defaults.max_attempts, int, minimum=1),
+            retry_base_s=_number(env, "LEDGER_RETRY_BASE_S", defaults.retry_base_s, float, minimum=0.01),
+            retry_cap_s=_number(env, "LEDGER_RETRY_CAP_S", defaults.retry_cap_s, float, minimum=0.01),
+            sweep_overdue_s=_number(env, "LEDGER_SWEEP_OVERDUE_S", defaults.sweep_overdue_s, float, minimum=0.1),
+            sweep_batch=_number(env, "LEDGER_SWEEP_BATCH", defaults.sweep_batch, int, minimum=1),
+            sweep_interval_s=_number(env, "LEDGER_SWEEP_INTERVAL_S", defaults.sweep_interval_s, float, minimum=0.1),
+            handler_modules=tuple(m.strip() for m in env.get("LEDGER_HANDLER_MODULES", "").split(",") if m.strip()),
+            entitlements_map_path=env.get("LEDGER_ENTITLEMENTS_MAP") or None,
+        )
+
+
+def _url(env: Mapping[str, str], name: str, default: str, schemes: set[str]) -> str:
+    value = env.get(name, "").strip() or default
+    scheme = urlsplit(value).scheme
+    if scheme not in schemes:
+        raise ConfigError(f"{name} must be a URL with scheme {'/'.join(sorted(schemes))}, got scheme {scheme!r}")
+    return value
+
+
+def _optional_http_url(env: Mapping[str, str], name: str) -> str | None:
+    value = env.get(name, "").strip()
+    if not value:
+        return None
+    if urlsplit(value).scheme not in {"http", "https"}:
+        raise ConfigError(f"{name} must be an http(s) URL")
+    return value
+
+
+def _secrets(raw: str) -> tuple[str, ...]:
+    secrets = tuple(s.strip() for s in raw.split(",") if s.strip())
+    for index, secret in enumerate(secrets, start=1):
+        if not secret.startswith("whsec_") or len(secret) < 10:
+            # Never echo the value: it is a secret.
+            raise ConfigError(f"STRIPE_WEBHOOK_SECRET entry {index} is malformed: each entry must start with 'whsec_'")
+    return secrets
+
+
+def _number(env: Mapping[str, str], name: str, default, kind, minimum):
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a{'n integer' if kind is int else ' number'}, got {raw!r}") from None
+    if value < minimum:
+        raise ConfigError(f"{name} must be at least {minimum}, got {raw!r}")
+    return value

@@ -1,0 +1,60 @@
+"""The Celery app, built from the same Settings as every other process.
+
+The broker only carries wake-ups (an event id); Postgres is the truth. So the
+settings below favour redelivery over loss, and a duplicate wake-up costs one
+failed compare-and-set, nothing more.
+"""
+from __future__ import annotations
+
+from celery import Celery
+
+from ledger.config import Settings
+
+PROCESS_EVENT_TASK = "workers.process_event"
+SWEEP_TASK = "workers.sweep"
+
+# Redis redelivers an unacked message after this; countdowns must stay well below it
+# or a scheduled retry runs twice (see MAX_COUNTDOWN_S).
+VISIBILITY_TIMEOUT_S = 3600
+MAX_COUNTDOWN_S = 300
+
+
+def make_celery(settings: Settings, *, publisher_only: bool = False) -> Celery:
+    app = Celery("workers", broker=settings.broker_url, set_as_current=not publisher_only)
+    transport_options = {
+        "visibility_timeout": VISIBILITY_TIMEOUT_S,
+        "socket_connect_timeout": settings.broker_timeout_s,
+        "socket_timeout": settings.broker_timeout_s if publisher_only else 30,
+    }
+    if publisher_only:
+        # The receiver must answer Stripe quickly even when the broker is down:
+        # one short try, then the recovery sweep owns the wake-up.
+        transport_options["max_retries"] = 0
+    app.conf.update(
+        broker_transport_options=transport_options,
+        broker_connection_timeout=settings.broker_timeout_s,
+        broker_connection_retry_on_startup=True,
+        task_default_queue=settings.queue_name,
+        # Ack after the task ran: a worker that dies mid-task leaves the message to be redelivered.
+        task_acks_late=True,
+        # A child killed by a signal or OOM requeues its message instead of acking it.
+        task_reject_on_worker_lost=True,
+        # Hold one message at a time, so an idle worker on another host can take the next.
+        worker_prefetch_multiplier=1,
+        # Messages are plain ids; never unpickle what a broker hands us.
+        task_serializer="json",
+        accept_content=["json"],
+        result_serializer="json",
+        # Outcomes live in ledger.attempts, not in a result backend.
+        task_ignore_result=True,
+        # Bounded: the soft limit fires well before the lease expires, so a stuck
+        # attempt fails (recoverably) instead of racing the worker that rescues it.
+        task_soft_time_limit=max(1, settings.lease_s // 2),
+        task_time_limit=max(2, settings.lease_s * 3 // 4),
+        # Publishing a wake-up is fire-and-forget beyond one try.
+        task_publish_retry=False,
+        worker_hijack_root_logger=False,
+        worker_send_task_events=True,
+        task_send_sent_event=False,
+    )
+    return app
