@@ -1,15 +1,18 @@
 """The one door to the ledger: receiver, workers, sweep and CLI all go through here."""
 from __future__ import annotations
 
+import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from datetime import datetime
+from typing import Any, Iterator
 
 import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import PoolTimeout
 
 from ledger.db import ProcessPool
-from ledger.errors import DatabaseUnavailable
+from ledger.errors import DatabaseUnavailable, LedgerError
 from ledger.queries import SQL
 from ledger.states import EventStatus
 
@@ -80,3 +83,89 @@ class EventStore:
             except psycopg.Error as exc:
                 raise DatabaseUnavailable(f"Postgres refused the statement: {type(exc).__name__}") from exc
         raise AssertionError("unreachable")
+
+
+class LeaseLost(LedgerError):
+    """The lease on this event was taken over by another worker; this attempt must not commit."""
+
+
+@dataclass(frozen=True)
+class Claim:
+    """An attempt this worker owns until its lease expires."""
+    event_id: str
+    type: str
+    attempt: int
+    lease_owner: str
+    payload: dict
+    created: datetime
+    livemode: bool
+    api_version: str | None
+    account: str | None
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """How an attempt failed and what happens next (None delay: terminal)."""
+    status: EventStatus
+    reason: str
+    error_class: str
+    error: str
+    delay_s: float | None = None
+    wake_scheduled: bool = False
+
+
+class WorkerLedger:
+    """The worker's side of the state machine: claim, apply-and-finish, fail, sweep."""
+
+    def __init__(self, pool: ProcessPool):
+        self._pool = pool
+
+    def claim(self, event_id: str, *, worker: str, lease_s: int) -> Claim | None:
+        """Compare-and-set the event to processing; None when another worker has it or it is done."""
+        lease_owner = uuid.uuid4().hex
+        with self._pool.get().connection() as conn:
+            row = conn.cursor(row_factory=dict_row).execute(
+                SQL.event_claim, {"id": event_id, "worker": worker, "lease_owner": lease_owner,
+                                  "lease_s": lease_s}).fetchone()
+        if row is None:
+            return None
+        return Claim(event_id=row["id"], type=row["type"], attempt=row["attempts"], lease_owner=lease_owner,
+                     payload=row["payload"], created=row["stripe_created"], livemode=row["livemode"],
+                     api_version=row["api_version"], account=row["account"])
+
+    @contextmanager
+    def applying(self, claim: Claim) -> Iterator[psycopg.Connection]:
+        """One transaction: fence, the caller's business writes, mark processed, COMMIT.
+
+        Raises LeaseLost (after rolling back) when the lease is no longer ours at
+        either end. Any exception from the body rolls everything back.
+        """
+        keys = {"id": claim.event_id, "lease_owner": claim.lease_owner, "attempt": claim.attempt}
+        with self._pool.get().connection() as conn:
+            with conn.transaction():
+                if conn.execute(SQL.event_lock_if_lease_held, keys).fetchone() is None:
+                    raise LeaseLost()
+                yield conn
+                if conn.execute(SQL.event_finish_if_lease_held, keys).fetchone() is None:
+                    raise LeaseLost()
+
+    def fail(self, claim: Claim, failure: FailureRecord) -> None:
+        """Record a failed attempt; raises LeaseLost if the lease is no longer ours."""
+        params = {"id": claim.event_id, "lease_owner": claim.lease_owner, "attempt": claim.attempt,
+                  "status": failure.status.value, "reason": failure.reason, "error_class": failure.error_class,
+                  "error": failure.error[:2000], "delay_s": failure.delay_s, "wake_scheduled": failure.wake_scheduled}
+        with self._pool.get().connection() as conn:
+            if conn.execute(SQL.event_fail_if_lease_held, params).fetchone() is None:
+                raise LeaseLost()
+
+    def mark_lease_lost(self, claim: Claim, detail: str) -> None:
+        with self._pool.get().connection() as conn:
+            conn.execute(SQL.attempt_mark_lease_lost,
+                         {"id": claim.event_id, "attempt": claim.attempt, "error": detail})
+
+    def take_overdue_wakeups(self, *, overdue_s: float, batch: int) -> list[str]:
+        """Mark up to ``batch`` overdue events as re-driven and return their ids."""
+        with self._pool.get().connection() as conn:
+            rows = conn.execute(SQL.event_sweep_overdue_wakeups,
+                                {"overdue_s": overdue_s, "batch": batch}).fetchall()
+        return [row[0] for row in rows]

@@ -46,6 +46,32 @@ def migrate(obj: _Context, check: bool):
     click.echo(f"schema up to date ({len(applied)} applied)")
 
 
+@cli.command()
+@click.option("--loop", is_flag=True, help="Run forever, one pass every LEDGER_SWEEP_INTERVAL_S.")
+@click.option("--json", "as_json", is_flag=True, help="Print the pass result as JSON.")
+@click.pass_obj
+def sweep(obj: _Context, loop: bool, as_json: bool):
+    """Re-drive overdue wake-ups: lost enqueues, dead workers, due retries.
+
+    Safe to run in several replicas at once.
+    """
+    from ledger.logs import configure as configure_logging
+    from workers.app import make_celery
+    from workers.runtime import Runtime
+
+    configure_logging()
+    runtime = Runtime(obj.settings, make_celery(obj.settings))
+    if loop:
+        runtime.sweeper.run_forever()
+        return
+    result = runtime.sweeper.run_once()
+    if as_json:
+        click.echo(json.dumps(result.__dict__))
+    else:
+        click.echo(f"re-drove {result.redriven} event(s); queue depth {result.queue_depth}"
+                   + (" (skipped: broker backlog)" if result.skipped_backlog else ""))
+
+
 @cli.group()
 def events():
     """Inspect events."""

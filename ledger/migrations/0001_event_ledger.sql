@@ -28,7 +28,9 @@ CREATE TABLE ledger.events (
     -- When the last wake-up (broker message) was due to reach a worker. The
     -- recovery sweep only re-drives events whose wake-up is overdue.
     wakeup_at        timestamptz NOT NULL DEFAULT now(),
-    wakeups          integer     NOT NULL DEFAULT 1,
+    -- Sweep re-drives since a worker last claimed the event; each doubles the
+    -- wait before the next one, so a backlog is never flooded with duplicates.
+    redrives         integer     NOT NULL DEFAULT 0,
     next_attempt_at  timestamptz,
     lease_owner      text,
     lease_expires_at timestamptz,

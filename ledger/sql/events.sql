@@ -35,3 +35,116 @@ SELECT id, type, status, attempts, failure_reason, last_error, stripe_created, l
        next_attempt_at, lease_owner, lease_expires_at, processed_at, updated_at
   FROM ledger.events
  WHERE id = %(id)s
+
+-- name: event_claim
+-- Worker: received | failed_recoverable (due) | processing (lease expired) -> processing.
+-- The compare-and-set that makes one worker, on any host, the owner of an
+-- attempt: concurrent claims of one id serialise on the row, and every one but
+-- the first finds the guard false and gets no row (AlreadyTaken / done).
+-- In the same statement: the dead worker's attempt (if any) is closed as
+-- lease_expired, and this attempt is opened in the history.
+WITH claimed AS (
+    UPDATE ledger.events
+       SET status           = 'processing',
+           lease_owner      = %(lease_owner)s,
+           lease_expires_at = now() + make_interval(secs => %(lease_s)s),
+           attempts         = attempts + 1,
+           redrives         = 0,
+           updated_at       = now()
+     WHERE id = %(id)s
+       AND (status = 'received'
+            OR (status = 'failed_recoverable' AND next_attempt_at <= now())
+            OR (status = 'processing' AND lease_expires_at < now()))
+ RETURNING id, type, attempts, payload, stripe_created, livemode, api_version, account
+), closed AS (
+    UPDATE ledger.attempts
+       SET outcome = 'lease_expired', finished_at = now(),
+           error_class = 'LeaseExpired', error = 'worker stopped before finishing; lease expired'
+     WHERE event_id IN (SELECT id FROM claimed) AND outcome = 'running'
+), opened AS (
+    INSERT INTO ledger.attempts (event_id, attempt, worker, lease_owner)
+    SELECT id, attempts, %(worker)s, %(lease_owner)s FROM claimed
+)
+SELECT * FROM claimed
+
+-- name: event_lock_if_lease_held
+-- Worker, first statement of the apply transaction: the fence. Locks the row
+-- and proves the lease is still ours. A worker whose lease expired and was
+-- re-claimed finds no row and must roll back (LeaseLost). Holding the row lock
+-- to COMMIT means no one can re-claim while we apply.
+SELECT id
+  FROM ledger.events
+ WHERE id = %(id)s AND status = 'processing' AND lease_owner = %(lease_owner)s
+   FOR UPDATE
+
+-- name: event_finish_if_lease_held
+-- Worker, last statement of the apply transaction: processing -> processed,
+-- committed together with the business writes, and the attempt closed.
+-- No row means the lease is not ours (LeaseLost): the caller rolls back.
+WITH finished AS (
+    UPDATE ledger.events
+       SET status = 'processed', processed_at = now(), lease_owner = NULL,
+           lease_expires_at = NULL, next_attempt_at = NULL, failure_reason = NULL,
+           last_error = NULL, updated_at = now()
+     WHERE id = %(id)s AND status = 'processing' AND lease_owner = %(lease_owner)s
+ RETURNING id
+)
+UPDATE ledger.attempts
+   SET outcome = 'processed', finished_at = now()
+ WHERE event_id IN (SELECT id FROM finished) AND attempt = %(attempt)s
+RETURNING event_id
+
+-- name: event_fail_if_lease_held
+-- Worker, after the apply transaction rolled back: processing ->
+-- failed_recoverable (with next_attempt_at) or failed_permanent (with reason),
+-- and the attempt closed with the error. When the worker itself schedules the
+-- retry's wake-up (a short countdown), wakeup_at moves to that time so the sweep
+-- does not send a second one. No row means the lease is not ours (LeaseLost).
+WITH failed AS (
+    UPDATE ledger.events
+       SET status           = %(status)s,
+           failure_reason   = %(reason)s,
+           last_error       = %(error)s,
+           next_attempt_at  = CASE WHEN %(status)s = 'failed_recoverable'
+                                    THEN now() + make_interval(secs => %(delay_s)s) END,
+           wakeup_at        = CASE WHEN %(status)s = 'failed_recoverable' AND %(wake_scheduled)s
+                                    THEN now() + make_interval(secs => %(delay_s)s)
+                                    ELSE wakeup_at END,
+           lease_owner      = NULL,
+           lease_expires_at = NULL,
+           updated_at       = now()
+     WHERE id = %(id)s AND status = 'processing' AND lease_owner = %(lease_owner)s
+ RETURNING id
+)
+UPDATE ledger.attempts
+   SET outcome = %(status)s, finished_at = now(), error_class = %(error_class)s, error = %(error)s
+ WHERE event_id IN (SELECT id FROM failed) AND attempt = %(attempt)s
+RETURNING event_id
+
+-- name: attempt_mark_lease_lost
+-- Worker: its lease was taken over; close its own attempt as lease_lost so the
+-- history says what happened. Guarded by outcome so a closed attempt is kept.
+UPDATE ledger.attempts
+   SET outcome = 'lease_lost', finished_at = now(), error_class = 'LeaseLost', error = %(error)s
+ WHERE event_id = %(id)s AND attempt = %(attempt)s AND outcome = 'running'
+
+-- name: event_sweep_overdue_wakeups
+-- Sweep: pick events that could run now but whose wake-up is overdue (the
+-- receiver's enqueue was lost, Redis restarted empty, a worker died, a retry's
+-- delay outlived any countdown), and mark them re-driven. Each re-drive doubles
+-- the wait before the next (redrives, reset by a claim), batches are bounded,
+-- and SKIP LOCKED lets several sweepers run at once without picking the same row.
+UPDATE ledger.events e
+   SET wakeup_at = now(), redrives = e.redrives + 1
+ WHERE e.id IN (
+        SELECT id
+          FROM ledger.events
+         WHERE status IN ('received', 'processing', 'failed_recoverable')
+           AND wakeup_at < now() - make_interval(secs => %(overdue_s)s * power(2, least(redrives, 6)))
+           AND (status = 'received'
+                OR (status = 'failed_recoverable' AND next_attempt_at <= now())
+                OR (status = 'processing' AND lease_expires_at < now()))
+         ORDER BY wakeup_at
+         LIMIT %(batch)s
+           FOR UPDATE SKIP LOCKED)
+RETURNING e.id, e.status

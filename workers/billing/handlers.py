@@ -1,0 +1,90 @@
+"""The built-in billing handlers, registered like any user handler.
+
+Each runs inside the apply transaction: mapping (pure) then guarded upserts.
+"""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+from psycopg.types.json import Jsonb
+
+from ledger.queries import load
+from workers.billing import mapping
+from workers.registry import ApplyContext, handler
+
+SQL = load("workers.billing")
+
+
+def _stamp(ctx: ApplyContext, row: dict) -> dict:
+    return {**row, "event_id": ctx.event_id, "event_type": ctx.event_type,
+            "event_created": ctx.created, "livemode": ctx.livemode}
+
+
+@lru_cache(maxsize=4)
+def _entitlements_map(path: str | None) -> dict[str, list[str]]:
+    """Price or product id -> features, from LEDGER_ENTITLEMENTS_MAP (a JSON file)."""
+    if not path:
+        return {}
+    data = json.loads(Path(path).read_text())
+    return {str(k): [str(f) for f in v] for k, v in data.items()}
+
+
+def entitlements_map() -> dict[str, list[str]]:
+    import os
+    return _entitlements_map(os.environ.get("LEDGER_ENTITLEMENTS_MAP") or None)
+
+
+@handler("customer.created", "customer.updated", "customer.deleted")
+def apply_customer(ctx: ApplyContext) -> None:
+    row = mapping.customer_row(ctx.object, deleted=ctx.event_type == "customer.deleted")
+    row["metadata"] = Jsonb(row["metadata"])
+    ctx.conn.execute(SQL["customer_upsert_if_newer"], _stamp(ctx, row))
+
+
+@handler("customer.subscription.created", "customer.subscription.updated",
+         "customer.subscription.deleted", "customer.subscription.paused",
+         "customer.subscription.resumed", "customer.subscription.trial_will_end",
+         "customer.subscription.pending_update_applied", "customer.subscription.pending_update_expired")
+def apply_subscription(ctx: ApplyContext) -> None:
+    row = mapping.subscription_row(ctx.object, entitlements_map())
+    ctx.conn.execute(SQL["subscription_apply_event"], _stamp(ctx, row))
+    recompute_entitlements(ctx, row["customer_id"])
+
+
+def recompute_entitlements(ctx: ApplyContext, customer_id: str) -> None:
+    """Derive subscription entitlements from current state: idempotent by construction."""
+    params = {"customer_id": customer_id}
+    ctx.conn.execute(SQL["entitlements_lock_customer"], params)
+    ctx.conn.execute(SQL["entitlements_revoke_lapsed"], params)
+    ctx.conn.execute(SQL["entitlements_grant_current"], params)
+
+
+@handler("invoice.created", "invoice.updated", "invoice.finalized", "invoice.paid",
+         "invoice.payment_succeeded", "invoice.payment_failed", "invoice.payment_action_required",
+         "invoice.voided", "invoice.marked_uncollectible", "invoice.deleted")
+def apply_invoice(ctx: ApplyContext) -> None:
+    row = mapping.invoice_row(ctx.object, deleted=ctx.event_type == "invoice.deleted")
+    ctx.conn.execute(SQL["invoice_upsert_if_newer"], _stamp(ctx, row))
+
+
+@handler("checkout.session.completed")
+def apply_checkout_session(ctx: ApplyContext) -> None:
+    row = mapping.checkout_session_row(ctx.object)
+    stamped = _stamp(ctx, row)
+    ctx.conn.execute(SQL["checkout_session_upsert_if_newer"], stamped)
+    if row["customer_id"]:
+        ctx.conn.execute(SQL["customer_insert_stub"], {**stamped, "id": row["customer_id"]})
+
+
+@handler("entitlements.active_entitlement_summary.updated")
+def apply_entitlement_summary(ctx: ApplyContext) -> None:
+    customer_id, features = mapping.entitlement_summary(ctx.object)
+    params = {"customer_id": customer_id, "features": features, "event_id": ctx.event_id,
+              "event_created": ctx.created}
+    ctx.conn.execute(SQL["entitlements_lock_customer"], params)
+    if ctx.conn.execute(SQL["entitlement_summary_claim_if_newer"], params).fetchone() is None:
+        return  # a newer summary was already applied
+    ctx.conn.execute(SQL["entitlements_replace_from_stripe"], params)
+    ctx.conn.execute(SQL["entitlements_add_from_stripe"], params)

@@ -1,0 +1,179 @@
+"""Mapping Stripe objects to billing rows. Pure: no IO, tested without a database.
+
+Payload shapes differ by API version and are read both ways:
+* subscription periods sit on the subscription before 2025-03-31.basil and on
+  its items after;
+* an invoice's subscription id moved from ``invoice.subscription`` to
+  ``invoice.parent.subscription_details.subscription``;
+* ``price`` replaced ``plan`` on subscription items; both are read.
+A field the row cannot do without raises UnmappablePayload naming it.
+"""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any, Mapping
+
+from workers.failures import UnmappablePayload
+
+Obj = Mapping[str, Any]
+
+
+def _ts(value: Any) -> datetime | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return datetime.fromtimestamp(value, tz=timezone.utc)
+
+
+def _id(value: Any) -> str | None:
+    """An id, whether Stripe sent it bare or expanded into an object."""
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("id"), str):
+        return value["id"]
+    return None
+
+
+def _required_id(obj: Obj, key: str, where: str = "data.object") -> str:
+    value = _id(obj.get(key))
+    if value is None:
+        raise UnmappablePayload(f"{where}.{key}")
+    return value
+
+
+def _required_str(obj: Obj, key: str, where: str = "data.object") -> str:
+    value = obj.get(key)
+    if not isinstance(value, str) or not value:
+        raise UnmappablePayload(f"{where}.{key}")
+    return value
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _items(obj: Obj) -> list[Obj]:
+    items = obj.get("items")
+    data = items.get("data") if isinstance(items, Mapping) else None
+    return [i for i in data if isinstance(i, Mapping)] if isinstance(data, list) else []
+
+
+def _features_from_metadata(*sources: Any) -> set[str]:
+    found: set[str] = set()
+    for source in sources:
+        metadata = source.get("metadata") if isinstance(source, Mapping) else None
+        raw = metadata.get("features") if isinstance(metadata, Mapping) else None
+        if isinstance(raw, str):
+            found.update(f.strip() for f in raw.split(",") if f.strip())
+    return found
+
+
+def customer_row(obj: Obj, *, deleted: bool) -> dict[str, Any]:
+    metadata = obj.get("metadata")
+    return {
+        "id": _required_id(obj, "id"),
+        "email": _str(obj.get("email")),
+        "name": _str(obj.get("name")),
+        "deleted": deleted or obj.get("deleted") is True,
+        "metadata": dict(metadata) if isinstance(metadata, Mapping) else {},
+    }
+
+
+def subscription_row(obj: Obj, entitlements_map: Mapping[str, list[str]] | None = None) -> dict[str, Any]:
+    items = _items(obj)
+    first = items[0] if items else {}
+    price = first.get("price") if isinstance(first.get("price"), Mapping) else None
+    plan = obj.get("plan") if isinstance(obj.get("plan"), Mapping) else (
+        first.get("plan") if isinstance(first.get("plan"), Mapping) else None)
+    price_or_plan = price or plan or {}
+    price_id = _id(price_or_plan)
+    product_id = _id(price_or_plan.get("product"))
+
+    # Older API versions: periods on the subscription. Newer: on each item.
+    period_start = obj.get("current_period_start")
+    period_end = obj.get("current_period_end")
+    if period_start is None and items:
+        starts = [i.get("current_period_start") for i in items if _int(i.get("current_period_start")) is not None]
+        ends = [i.get("current_period_end") for i in items if _int(i.get("current_period_end")) is not None]
+        period_start = min(starts) if starts else None
+        period_end = max(ends) if ends else None
+
+    features = _features_from_metadata(price, plan, price_or_plan.get("product"))
+    for key in (price_id, product_id):
+        if key and entitlements_map and key in entitlements_map:
+            features.update(entitlements_map[key])
+
+    quantity = _int(obj.get("quantity"))
+    if quantity is None and items:
+        quantity = _int(first.get("quantity"))
+    return {
+        "id": _required_id(obj, "id"),
+        "customer_id": _required_id(obj, "customer"),
+        "status": _required_str(obj, "status"),
+        "price_id": price_id,
+        "product_id": product_id,
+        "quantity": quantity,
+        "cancel_at_period_end": obj.get("cancel_at_period_end") is True,
+        "current_period_start": _ts(period_start),
+        "current_period_end": _ts(period_end),
+        "trial_end": _ts(obj.get("trial_end")),
+        "canceled_at": _ts(obj.get("canceled_at")),
+        "ended_at": _ts(obj.get("ended_at")),
+        "features": sorted(features),
+    }
+
+
+def invoice_subscription_id(obj: Obj) -> str | None:
+    direct = _id(obj.get("subscription"))
+    if direct:
+        return direct
+    parent = obj.get("parent")
+    details = parent.get("subscription_details") if isinstance(parent, Mapping) else None
+    return _id(details.get("subscription")) if isinstance(details, Mapping) else None
+
+
+def invoice_row(obj: Obj, *, deleted: bool = False) -> dict[str, Any]:
+    return {
+        "id": _required_id(obj, "id"),
+        "customer_id": _id(obj.get("customer")),
+        "subscription_id": invoice_subscription_id(obj),
+        "status": _str(obj.get("status")),
+        "amount_due": _int(obj.get("amount_due")),
+        "amount_paid": _int(obj.get("amount_paid")),
+        "currency": _str(obj.get("currency")),
+        "period_start": _ts(obj.get("period_start")),
+        "period_end": _ts(obj.get("period_end")),
+        "billing_reason": _str(obj.get("billing_reason")),
+        "deleted": deleted,
+    }
+
+
+def checkout_session_row(obj: Obj) -> dict[str, Any]:
+    return {
+        "id": _required_id(obj, "id"),
+        "customer_id": _id(obj.get("customer")),
+        "subscription_id": _id(obj.get("subscription")),
+        "client_reference_id": _str(obj.get("client_reference_id")),
+        "mode": _str(obj.get("mode")),
+        "status": _str(obj.get("status")),
+        "payment_status": _str(obj.get("payment_status")),
+    }
+
+
+def entitlement_summary(obj: Obj) -> tuple[str, list[str]]:
+    """(customer id, active feature lookup keys) of an active entitlement summary."""
+    customer = _required_id(obj, "customer")
+    entitlements = obj.get("entitlements")
+    data = entitlements.get("data") if isinstance(entitlements, Mapping) else None
+    if not isinstance(data, list):
+        raise UnmappablePayload("data.object.entitlements.data")
+    features = set()
+    for index, item in enumerate(data):
+        key = (item.get("lookup_key") or _id(item.get("feature"))) if isinstance(item, Mapping) else None
+        if not isinstance(key, str) or not key:
+            raise UnmappablePayload(f"data.object.entitlements.data[{index}].lookup_key")
+        features.add(key)
+    return customer, sorted(features)

@@ -1,0 +1,103 @@
+"""Classifying an attempt's failure where it is caught: recoverable or permanent, with a reason.
+
+Recoverable failures are retried on our own schedule; permanent ones end the
+event as failed_permanent with the reason, replayable after a fix. An error
+we do not recognise is treated as recoverable: retrying a bug costs a few
+attempts, while wrongly giving up on a transient fault would need a human.
+Retries are bounded either way (retries_exhausted).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import psycopg
+from psycopg_pool import PoolTimeout
+
+from ledger.errors import LedgerError
+
+
+class Kind(StrEnum):
+    RECOVERABLE = "recoverable"
+    PERMANENT = "permanent"
+
+
+class TransientError(LedgerError):
+    """A handler says: this attempt failed, a later one may succeed."""
+
+
+class PermanentError(LedgerError):
+    """A handler says: retrying this event cannot succeed."""
+
+    reason = "rejected_by_handler"
+
+
+class UnmappablePayload(PermanentError):
+    """The event's object lacks a field the handler needs."""
+
+    reason = "unmappable_payload"
+
+    def __init__(self, field: str, problem: str = "is missing or has the wrong type"):
+        super().__init__(f"{field} {problem}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: Kind
+    reason: str
+    error_class: str
+    message: str
+
+
+# SQLSTATE classes and codes that a later attempt can get past.
+_RECOVERABLE_SQLSTATE = {
+    "08": "db_connection",      # connection exception
+    "40": "db_conflict",        # serialization failure, deadlock
+    "53": "db_resources",       # insufficient resources
+    "57P": "db_shutdown",       # admin/crash shutdown, cannot connect now
+    "55P03": "db_lock_timeout",  # lock not available
+    "57014": "db_timeout",      # statement timeout / query canceled
+}
+# SQLSTATE classes that retrying the same event cannot fix.
+_PERMANENT_SQLSTATE = {
+    "23": "constraint_violation",
+    "22": "invalid_data",
+}
+
+
+def classify(exc: BaseException) -> Failure:
+    name = type(exc).__name__
+    if isinstance(exc, PermanentError):
+        return Failure(Kind.PERMANENT, exc.reason, name, str(exc))
+    if isinstance(exc, TransientError):
+        return Failure(Kind.RECOVERABLE, "transient", name, str(exc))
+    if isinstance(exc, PoolTimeout):
+        return Failure(Kind.RECOVERABLE, "db_unavailable", name, "no database connection in time")
+    if isinstance(exc, psycopg.Error):
+        return _classify_sql(exc)
+    if name == "SoftTimeLimitExceeded":
+        return Failure(Kind.RECOVERABLE, "time_limit", name, "attempt exceeded its soft time limit")
+    if isinstance(exc, (ConnectionError, TimeoutError, OSError)) or _is_broker_error(exc):
+        return Failure(Kind.RECOVERABLE, "network", name, str(exc)[:500])
+    return Failure(Kind.RECOVERABLE, "unexpected_error", name, str(exc)[:500])
+
+
+def _classify_sql(exc: psycopg.Error) -> Failure:
+    name = type(exc).__name__
+    state = exc.sqlstate or ""
+    # The diagnostic's primary message names the constraint or column, never a value.
+    message = f"SQLSTATE {state or 'none'}: {(exc.diag.message_primary or name)[:300]}"
+    for prefix in sorted(_RECOVERABLE_SQLSTATE, key=len, reverse=True):
+        if state.startswith(prefix):
+            return Failure(Kind.RECOVERABLE, _RECOVERABLE_SQLSTATE[prefix], name, message)
+    if state[:2] in _PERMANENT_SQLSTATE:
+        return Failure(Kind.PERMANENT, _PERMANENT_SQLSTATE[state[:2]], name, message)
+    if isinstance(exc, psycopg.OperationalError):  # connection lost: no SQLSTATE at all
+        return Failure(Kind.RECOVERABLE, "db_connection", name, message)
+    return Failure(Kind.RECOVERABLE, "db_error", name, message)
+
+
+def _is_broker_error(exc: BaseException) -> bool:
+    module = type(exc).__module__ or ""
+    return module.startswith(("kombu", "redis", "amqp"))

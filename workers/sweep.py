@@ -1,0 +1,74 @@
+"""The recovery sweep: re-drives wake-ups that did not arrive.
+
+Risk it handles: the broker is not durable (Redis restarts empty, an enqueue
+fails after the receiver committed, a worker dies holding a message, a retry's
+delay is longer than any safe countdown). Postgres knows every event that could
+run now; the sweep sends a wake-up for those whose last one is overdue.
+
+It does not flood: only overdue wake-ups, each re-drive doubling the wait before
+the next for that event, at most ``batch`` per pass, and no pass while the broker
+queue already holds a batch or more (workers are behind; the wake-ups are there).
+Several sweepers may run at once: rows are picked with SKIP LOCKED.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from celery import Celery
+
+from ledger.config import Settings
+from ledger.store import WorkerLedger
+from workers import metrics
+from workers.wakeup import Waker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    redriven: int
+    queue_depth: int | None
+    skipped_backlog: bool
+
+
+@dataclass
+class Sweeper:
+    ledger: WorkerLedger
+    waker: Waker
+    celery: Celery
+    settings: Settings
+
+    def queue_depth(self) -> int | None:
+        try:
+            with self.celery.connection_for_read() as conn:
+                return conn.default_channel.queue_declare(
+                    queue=self.settings.queue_name, passive=True).message_count
+        except Exception:
+            return None  # broker unreachable: wake-ups will fail anyway; the ledger keeps the work
+
+    def run_once(self) -> SweepResult:
+        depth = self.queue_depth()
+        if depth is not None and depth >= self.settings.sweep_batch:
+            return SweepResult(0, depth, skipped_backlog=True)
+        ids = self.ledger.take_overdue_wakeups(overdue_s=self.settings.sweep_overdue_s,
+                                               batch=self.settings.sweep_batch)
+        sent = sum(self.waker.wake(event_id) for event_id in ids)
+        if ids:
+            metrics.REDRIVES.inc(sent)
+            log.info("sweep re-drove overdue wake-ups", extra={"redriven": sent, "picked": len(ids),
+                                                             "queue_depth": depth})
+        return SweepResult(sent, depth, skipped_backlog=False)
+
+    def run_forever(self, *, stop_after: float | None = None) -> None:
+        started = time.monotonic()
+        while stop_after is None or time.monotonic() - started < stop_after:
+            try:
+                result = self.run_once()
+            except Exception as exc:
+                log.error("sweep pass failed; next pass will try again", extra={"error_class": type(exc).__name__})
+                result = None
+            # A full batch means more may be waiting: go again without sleeping.
+            if result is None or result.redriven < self.settings.sweep_batch:
+                time.sleep(self.settings.sweep_interval_s)
