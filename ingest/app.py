@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 
 from flask import Flask, Response, jsonify
@@ -37,7 +38,11 @@ def create_app(settings: Settings | None = None) -> Flask:
             settings.require_webhook_secrets()
         except ConfigError as exc:
             # One clear line at start-up instead of a traceback (or a failure on the first request).
-            raise SystemExit(f"configuration error: {exc}") from None
+            # Exit status 3 is gunicorn's "worker failed to boot": the arbiter then stops. A
+            # SystemExit carrying the message exits 1, and gunicorn answers that by booting
+            # another worker, forever, instead of exiting.
+            print(f"configuration error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(3) from None
     secrets = settings.require_webhook_secrets()
 
     app = Flask(__name__)

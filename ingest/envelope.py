@@ -40,6 +40,11 @@ def parse_event(body: bytes) -> IncomingEvent:
         raise InvalidEvent("'created' must be a Unix timestamp")
     api_version = data.get("api_version")
     account = data.get("account")
+    # Postgres text cannot hold NUL: such a value would fail the INSERT on every
+    # redelivery and be answered 503 (retry later) forever instead of 400.
+    for name, value in (("id", event_id), ("type", event_type), ("api_version", api_version), ("account", account)):
+        if isinstance(value, str) and "\x00" in value:
+            raise InvalidEvent(f"'{name}' must not contain NUL characters")
     return IncomingEvent(
         id=event_id,
         type=event_type,

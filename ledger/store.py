@@ -46,9 +46,13 @@ class EventStore:
         params = {"id": event.id, "type": event.type, "created": event.created,
                   "livemode": event.livemode, "api_version": event.api_version,
                   "account": event.account, "payload": event.payload}
-        row = self._run_once_more_on_dead_connection(SQL.event_record_delivery, params)
-        return Delivery(inserted=row["inserted"], status=EventStatus(row["status"]),
-                        needs_wakeup=row["wake"])
+        row = self._run(SQL.event_record_delivery, params) or self._run(SQL.event_delivery_status, params)
+        status = EventStatus(row["status"])
+        if status is EventStatus.FAILED_RECOVERABLE:
+            self._run(SQL.event_hasten_if_recoverable, params)
+        needs_wakeup = status in (EventStatus.RECEIVED, EventStatus.FAILED_RECOVERABLE) or (
+            status is EventStatus.PROCESSING and row["lease_expired"])
+        return Delivery(inserted=row["inserted"], status=status, needs_wakeup=needs_wakeup)
 
     def ping(self) -> bool:
         """True if Postgres answers now."""
@@ -63,16 +67,20 @@ class EventStore:
         with self._pool.get().connection() as conn:
             return conn.cursor(row_factory=dict_row).execute(SQL.event_get, {"id": event_id}).fetchone()
 
-    def _run_once_more_on_dead_connection(self, sql: str, params: dict) -> dict[str, Any]:
-        # After a Postgres restart every idle pooled connection is dead. Checking
-        # each one before use would cost a round trip per request; instead, a
-        # failure on a dead connection makes the pool check its idle ones and the
-        # statement runs once more on a fresh connection.
+    def _run(self, sql: str, params: dict) -> dict[str, Any] | None:
+        """One autocommitted statement, its first row; DatabaseUnavailable if Postgres fails us.
+
+        After a Postgres restart every idle pooled connection is dead. Checking
+        each one before use would cost a round trip per request; instead, a
+        failure on a dead connection makes the pool check its idle ones and the
+        statement runs once more on a fresh connection.
+        """
         pool = self._pool.get()
         for last_try in (False, True):
             try:
                 with pool.connection() as conn:
-                    return conn.cursor(row_factory=dict_row).execute(sql, params).fetchone()
+                    cursor = conn.cursor(row_factory=dict_row).execute(sql, params)
+                    return cursor.fetchone() if cursor.description else None
             except PoolTimeout as exc:
                 # No connection could be had in time: waiting again would only double the latency.
                 raise DatabaseUnavailable("Postgres unavailable: no connection within the pool timeout") from exc

@@ -1,4 +1,4 @@
-"""Worker metrics (prometheus-client); exposed by ``WORKER_METRICS_PORT`` when set."""
+"""Worker and sweep metrics (prometheus-client)."""
 from __future__ import annotations
 
 from prometheus_client import Counter

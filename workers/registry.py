@@ -27,9 +27,12 @@ import importlib
 from dataclasses import dataclass
 from datetime import datetime
 from importlib.metadata import entry_points
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import psycopg
+
+if TYPE_CHECKING:
+    from ledger.config import Settings
 
 ENTRY_POINT_GROUP = "stripe_ledger.handlers"
 
@@ -85,10 +88,14 @@ registry = HandlerRegistry()
 handler = registry.handler
 
 
-def load_handlers(modules: tuple[str, ...] = ()) -> HandlerRegistry:
+def load_handlers(settings: "Settings | None" = None) -> HandlerRegistry:
     """Import the built-in handlers, the configured modules, then entry points."""
-    importlib.import_module("workers.billing.handlers")
-    for name in modules:
+    from ledger.config import Settings
+
+    settings = settings or Settings()
+    billing = importlib.import_module("workers.billing.handlers")
+    billing.configure(settings)
+    for name in settings.handler_modules:
         importlib.import_module(name)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         loaded = ep.load()

@@ -33,7 +33,7 @@ class Runtime:
 
     @cached_property
     def processor(self) -> EventProcessor:
-        registry = load_handlers(self.settings.handler_modules)
+        registry = load_handlers(self.settings)
         return EventProcessor.from_settings(self.settings, self.ledger, registry, self.waker)
 
     @cached_property

@@ -23,8 +23,6 @@ CREATE TABLE ledger.events (
     -- NULL only once retention has pruned a processed event.
     payload          json,
     received_at      timestamptz NOT NULL DEFAULT now(),
-    deliveries       integer     NOT NULL DEFAULT 1 CHECK (deliveries >= 1),
-    last_delivered_at timestamptz NOT NULL DEFAULT now(),
     -- When the last wake-up (broker message) was due to reach a worker. The
     -- recovery sweep only re-drives events whose wake-up is overdue.
     wakeup_at        timestamptz NOT NULL DEFAULT now(),
@@ -61,6 +59,15 @@ CREATE INDEX events_received_at_unfinished_idx ON ledger.events (received_at)
 CREATE INDEX events_failed_permanent_idx ON ledger.events (type, updated_at)
     WHERE status = 'failed_permanent';
 CREATE INDEX events_type_created_idx ON ledger.events (type, stripe_created);
+
+-- Every delivery Stripe made of an event, appended by the receiver. A table of
+-- its own so that recording a redelivery never waits on the event row, which a
+-- worker holds locked while it applies the event.
+CREATE TABLE ledger.deliveries (
+    event_id     text        NOT NULL REFERENCES ledger.events (id) ON DELETE CASCADE,
+    delivered_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE INDEX deliveries_event_idx ON ledger.deliveries (event_id, delivered_at);
 
 CREATE TABLE ledger.attempts (
     event_id    text        NOT NULL REFERENCES ledger.events (id) ON DELETE CASCADE,

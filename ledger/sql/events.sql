@@ -3,37 +3,48 @@
 -- the WHERE clause, and "no row" is an outcome the caller names and handles.
 
 -- name: event_record_delivery
--- Receiver: received (new row), or a redelivery of an id we hold.
--- A new id is inserted as `received`. A known id only has its delivery counted;
--- its payload and status are never overwritten by a delivery. A redelivered
--- recoverable failure becomes due now: Stripe retrying is a second chance to
--- process, never a reason to wait longer. `wake` tells the receiver whether the
--- event still needs a worker (unprocessed, or processing under an expired lease).
--- DO UPDATE (not DO NOTHING) so that concurrent copies always get the row back.
-INSERT INTO ledger.events AS e
-       (id, type, stripe_created, livemode, api_version, account, payload)
-VALUES (%(id)s, %(type)s, to_timestamp(%(created)s), %(livemode)s, %(api_version)s,
-        %(account)s, %(payload)s::json)
-ON CONFLICT (id) DO UPDATE
-   SET deliveries        = e.deliveries + 1,
-       last_delivered_at = now(),
-       next_attempt_at   = CASE WHEN e.status = 'failed_recoverable'
-                                THEN least(e.next_attempt_at, now())
-                                ELSE e.next_attempt_at END,
-       wakeup_at         = CASE WHEN e.status IN ('received', 'failed_recoverable')
-                                  OR (e.status = 'processing' AND e.lease_expires_at < now())
-                                THEN now() ELSE e.wakeup_at END
-RETURNING (xmax = 0) AS inserted,
-          status,
-          (status IN ('received', 'failed_recoverable')
-           OR (status = 'processing' AND lease_expires_at < now())) AS wake
+-- Receiver: a new id becomes `received`; a known id is left as it is (its
+-- payload and status are never overwritten by a delivery). Either way the
+-- delivery is appended to ledger.deliveries. Never waits on a worker: DO NOTHING
+-- does not lock the existing row, and the foreign key's KEY SHARE lock does not
+-- conflict with the worker's NO KEY UPDATE lock.
+-- No row back means a concurrent copy committed the id after this statement's
+-- snapshot was taken: the caller reads it with event_delivery_status.
+WITH inserted AS (
+    INSERT INTO ledger.events (id, type, stripe_created, livemode, api_version, account, payload)
+    VALUES (%(id)s, %(type)s, to_timestamp(%(created)s), %(livemode)s, %(api_version)s,
+            %(account)s, %(payload)s::json)
+    ON CONFLICT (id) DO NOTHING
+    RETURNING status, lease_expires_at
+), delivery AS (
+    INSERT INTO ledger.deliveries (event_id) VALUES (%(id)s)
+)
+SELECT true AS inserted, status, false AS lease_expired FROM inserted
+UNION ALL
+SELECT false, status, coalesce(lease_expires_at < now(), false)
+  FROM ledger.events
+ WHERE id = %(id)s AND NOT EXISTS (SELECT 1 FROM inserted)
+
+-- name: event_delivery_status
+-- Receiver: status of an id a concurrent delivery inserted (see event_record_delivery).
+SELECT false AS inserted, status, coalesce(lease_expires_at < now(), false) AS lease_expired
+  FROM ledger.events
+ WHERE id = %(id)s
+
+-- name: event_hasten_if_recoverable
+-- Receiver: failed_recoverable -> failed_recoverable, due now. A redelivery from
+-- Stripe is a second chance to process, never a reason to wait out our backoff.
+UPDATE ledger.events
+   SET next_attempt_at = least(next_attempt_at, now()), wakeup_at = now(), updated_at = now()
+ WHERE id = %(id)s AND status = 'failed_recoverable'
 
 -- name: event_get
 -- Read one event row (no payload) for inspection and responses.
 SELECT id, type, status, attempts, failure_reason, last_error, stripe_created, livemode,
-       api_version, account, received_at, deliveries, last_delivered_at, wakeup_at,
-       next_attempt_at, lease_owner, lease_expires_at, processed_at, updated_at
-  FROM ledger.events
+       api_version, account, received_at,
+       (SELECT count(*) FROM ledger.deliveries d WHERE d.event_id = e.id) AS deliveries,
+       wakeup_at, redrives, next_attempt_at, lease_owner, lease_expires_at, processed_at, updated_at
+  FROM ledger.events e
  WHERE id = %(id)s
 
 -- name: event_claim
@@ -69,13 +80,14 @@ SELECT * FROM claimed
 
 -- name: event_lock_if_lease_held
 -- Worker, first statement of the apply transaction: the fence. Locks the row
--- and proves the lease is still ours. A worker whose lease expired and was
+-- (NO KEY UPDATE, so the receiver's delivery inserts never wait on it) and
+-- proves the lease is still ours. A worker whose lease expired and was
 -- re-claimed finds no row and must roll back (LeaseLost). Holding the row lock
 -- to COMMIT means no one can re-claim while we apply.
 SELECT id
   FROM ledger.events
  WHERE id = %(id)s AND status = 'processing' AND lease_owner = %(lease_owner)s
-   FOR UPDATE
+   FOR NO KEY UPDATE
 
 -- name: event_finish_if_lease_held
 -- Worker, last statement of the apply transaction: processing -> processed,

@@ -5,11 +5,12 @@ Each runs inside the apply transaction: mapping (pure) then guarded upserts.
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from pathlib import Path
 
 from psycopg.types.json import Jsonb
 
+from ledger.config import Settings
+from ledger.errors import ConfigError
 from ledger.queries import load
 from workers.billing import mapping
 from workers.registry import ApplyContext, handler
@@ -22,18 +23,27 @@ def _stamp(ctx: ApplyContext, row: dict) -> dict:
             "event_created": ctx.created, "livemode": ctx.livemode}
 
 
-@lru_cache(maxsize=4)
-def _entitlements_map(path: str | None) -> dict[str, list[str]]:
-    """Price or product id -> features, from LEDGER_ENTITLEMENTS_MAP (a JSON file)."""
+# Price or product id -> features it grants, from LEDGER_ENTITLEMENTS_MAP (a JSON
+# file), on top of the "features" metadata of prices and plans. Set by configure().
+_entitlements_map: dict[str, list[str]] = {}
+
+
+def configure(settings: Settings) -> None:
+    """Load the entitlements map at start-up; an unreadable file fails there, not per event."""
+    global _entitlements_map
+    _entitlements_map = read_entitlements_map(settings.entitlements_map_path)
+
+
+def read_entitlements_map(path: str | None) -> dict[str, list[str]]:
     if not path:
         return {}
-    data = json.loads(Path(path).read_text())
+    try:
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values()):
+            raise ValueError("expected an object of id -> list of feature names")
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"LEDGER_ENTITLEMENTS_MAP {path}: {exc}") from None
     return {str(k): [str(f) for f in v] for k, v in data.items()}
-
-
-def entitlements_map() -> dict[str, list[str]]:
-    import os
-    return _entitlements_map(os.environ.get("LEDGER_ENTITLEMENTS_MAP") or None)
 
 
 @handler("customer.created", "customer.updated", "customer.deleted")
@@ -48,7 +58,7 @@ def apply_customer(ctx: ApplyContext) -> None:
          "customer.subscription.resumed", "customer.subscription.trial_will_end",
          "customer.subscription.pending_update_applied", "customer.subscription.pending_update_expired")
 def apply_subscription(ctx: ApplyContext) -> None:
-    row = mapping.subscription_row(ctx.object, entitlements_map())
+    row = mapping.subscription_row(ctx.object, _entitlements_map)
     ctx.conn.execute(SQL["subscription_apply_event"], _stamp(ctx, row))
     recompute_entitlements(ctx, row["customer_id"])
 
