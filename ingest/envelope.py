@@ -5,9 +5,16 @@ Pure: no IO. Errors say what is wrong without echoing any value from the body.
 from __future__ import annotations
 
 import json
+import re
 
 from ledger.errors import LedgerError
 from ledger.store import IncomingEvent
+
+
+_EVENT_ID = re.compile(r"evt_[A-Za-z0-9_-]{1,250}")
+_EVENT_TYPE = re.compile(r"[A-Za-z0-9_.:-]{1,255}")
+# Free-text envelope fields we store as columns: anything printable, bounded.
+_LABEL = re.compile(r"[\x20-\x7e]{1,255}")
 
 
 class InvalidEvent(LedgerError):
@@ -27,11 +34,11 @@ def parse_event(body: bytes) -> IncomingEvent:
     if not isinstance(data, dict):
         raise InvalidEvent("body is not a JSON object")
     event_id = data.get("id")
-    if not isinstance(event_id, str) or not event_id.startswith("evt_") or len(event_id) > 255:
-        raise InvalidEvent("'id' must be a string starting with 'evt_'")
+    if not isinstance(event_id, str) or not _EVENT_ID.fullmatch(event_id):
+        raise InvalidEvent("'id' must be a Stripe event id ('evt_' followed by letters, digits, '_' or '-')")
     event_type = data.get("type")
-    if not isinstance(event_type, str) or not event_type or len(event_type) > 255:
-        raise InvalidEvent("'type' must be a non-empty string")
+    if not isinstance(event_type, str) or not _EVENT_TYPE.fullmatch(event_type):
+        raise InvalidEvent("'type' must be a Stripe event type (letters, digits, '.', '_', ':', '-')")
     obj = (data.get("data") or {}).get("object") if isinstance(data.get("data"), dict) else None
     if not isinstance(obj, dict):
         raise InvalidEvent("'data.object' must be an object")
@@ -50,10 +57,18 @@ def parse_event(body: bytes) -> IncomingEvent:
         type=event_type,
         created=created,
         livemode=data.get("livemode") is True,
-        api_version=api_version if isinstance(api_version, str) else None,
-        account=account if isinstance(account, str) else None,
+        api_version=_label(api_version, "api_version"),
+        account=_label(account, "account"),
         payload=text,
     )
+
+
+def _label(value, name: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _LABEL.fullmatch(value):
+        raise InvalidEvent(f"'{name}' must be a short printable string or null")
+    return value
 
 
 def _reject_constant(name: str):
