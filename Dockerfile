@@ -31,13 +31,15 @@ COPY ingest/ ingest/
 COPY ledger/ ledger/
 COPY workers/ workers/
 COPY ops/ ops/
+# hadolint ignore=DL3003,DL3013
 RUN pip install ".[ops]" \
  && cd / && rm -rf /src \
  && ledgerctl --help >/dev/null
 
 WORKDIR /app
 RUN chown app:app /app
-USER app:app
+# Numeric, so orchestrators can verify runAsNonRoot without reading /etc/passwd.
+USER 10001:10001
 
 EXPOSE 8000 5555
 
