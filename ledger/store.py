@@ -102,13 +102,15 @@ class Claim:
     """An attempt this worker owns until its lease expires."""
     event_id: str
     type: str
-    attempt: int
+    attempt: int        # number in the event's history
     lease_owner: str
     payload: dict
     created: datetime
     livemode: bool
     api_version: str | None
     account: str | None
+    tries: int          # attempts since the last replay: what the retry budget counts
+    rescued: bool = False  # this claim took over from a worker whose lease expired
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,8 @@ class WorkerLedger:
             return None
         return Claim(event_id=row["id"], type=row["type"], attempt=row["attempts"], lease_owner=lease_owner,
                      payload=row["payload"], created=row["stripe_created"], livemode=row["livemode"],
-                     api_version=row["api_version"], account=row["account"])
+                     api_version=row["api_version"], account=row["account"], tries=row["tries"],
+                     rescued=row["rescued"])
 
     @contextmanager
     def applying(self, claim: Claim) -> Iterator[psycopg.Connection]:

@@ -1,18 +1,34 @@
-"""ledgerctl: the operator's command line."""
+"""ledgerctl: the operator's command line.
+
+Human tables by default, ``--json`` for scripts. Exit codes: 0 done, 1 the
+command ran but found nothing / not everything succeeded, 2 bad usage or
+configuration.
+"""
 from __future__ import annotations
 
+import getpass
 import json
+import re
+import socket
 import sys
+import time
+from datetime import datetime, timedelta, timezone
+from typing import Any, Iterable
 
 import click
 
 from ledger.config import Settings
 from ledger.errors import ConfigError, LedgerError
+from ledger.states import EventStatus
+
+_DURATION = re.compile(r"^(\d+)([smhd])$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 class _Context:
     def __init__(self):
         self._settings: Settings | None = None
+        self._pool = None
 
     @property
     def settings(self) -> Settings:
@@ -20,8 +36,76 @@ class _Context:
             self._settings = Settings.from_env()
         return self._settings
 
+    @property
+    def pool(self):
+        from ledger.db import ProcessPool
 
-@click.group()
+        if self._pool is None:
+            self._pool = ProcessPool(self.settings, name="ledgerctl", max_size=2)
+        return self._pool
+
+    @property
+    def operator(self):
+        from ledger.operator import OperatorLedger
+
+        return OperatorLedger(self.pool)
+
+    def waker(self):
+        from workers.app import make_celery
+        from workers.wakeup import Waker
+
+        return Waker(make_celery(self.settings, publisher_only=True))
+
+
+def _duration_s(value: str) -> float:
+    match = _DURATION.match(value.strip())
+    if not match:
+        raise click.BadParameter(f"{value!r} is not a duration like 90d, 12h, 30m or 45s")
+    return int(match[1]) * _UNITS[match[2]]
+
+
+def _when(value: str | None) -> datetime | None:
+    """An ISO time, or a duration meaning that long ago (e.g. 24h)."""
+    if value is None:
+        return None
+    if _DURATION.match(value.strip()):
+        return datetime.now(timezone.utc) - timedelta(seconds=_duration_s(value))
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is neither an ISO time nor a duration like 24h") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "__float__") and not isinstance(value, (int, float, bool)):
+        return float(value)
+    return value
+
+
+def _echo_json(value: Any) -> None:
+    click.echo(json.dumps(_plain(value), indent=2, sort_keys=True))
+
+
+def _table(rows: Iterable[dict[str, Any]], columns: list[str]) -> None:
+    rows = [{c: "" if r.get(c) is None else str(_plain(r.get(c))) for c in columns} for r in rows]
+    widths = {c: max([len(c)] + [len(r[c]) for r in rows]) for c in columns}
+    click.echo("  ".join(c.upper().ljust(widths[c]) for c in columns).rstrip())
+    for r in rows:
+        click.echo("  ".join(r[c].ljust(widths[c]) for c in columns).rstrip())
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+status_choice = click.Choice([s.value for s in EventStatus])
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.pass_context
 def cli(ctx: click.Context):
     """Operate the Stripe event ledger (configuration comes from the environment)."""
@@ -47,8 +131,160 @@ def migrate(obj: _Context, check: bool):
 
 
 @cli.command()
+@json_option
+@click.pass_obj
+def stats(obj: _Context, as_json: bool):
+    """Counts by status and type, oldest unprocessed age, due retries, expired leases, queue depth."""
+    from workers.app import make_celery
+    from workers.sweep import queue_depth
+
+    result = obj.operator.stats()
+    result["queue_depth"] = queue_depth(make_celery(obj.settings, publisher_only=True), obj.settings.queue_name)
+    if as_json:
+        _echo_json(result)
+        return
+    for status in EventStatus:
+        click.echo(f"{status.value:20} {result['by_status'].get(status.value, 0)}")
+    age = result["oldest_unprocessed_age_s"]
+    click.echo(f"{'oldest unprocessed':20} {'-' if age is None else f'{age:.1f}s'}")
+    for key in ("due_retries", "scheduled_retries", "expired_leases", "in_progress", "queue_depth"):
+        value = result[key]
+        click.echo(f"{key.replace('_', ' '):20} {'unknown (broker unreachable)' if value is None else value}")
+    if result["by_status_and_type"]:
+        click.echo("")
+        _table(result["by_status_and_type"], ["status", "type", "events"])
+
+
+@cli.group()
+def events():
+    """Inspect events."""
+
+
+@events.command("list")
+@click.option("--status", type=status_choice, help="Only events in this state.")
+@click.option("--type", "type_glob", help="Event type, glob allowed (invoice.*).")
+@click.option("--since", help="Received at or after (ISO time, or a duration ago: 24h).")
+@click.option("--until", help="Received before (ISO time, or a duration ago).")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 100_000))
+@json_option
+@click.pass_obj
+def events_list(obj: _Context, status, type_glob, since, until, limit, as_json):
+    """List events, newest first."""
+    from ledger.operator import EventFilter
+
+    rows = obj.operator.list_events(EventFilter(status, type_glob, _when(since), _when(until)), limit)
+    if as_json:
+        _echo_json(rows)
+    else:
+        _table(rows, ["id", "type", "status", "attempts", "failure_reason", "received_at"])
+
+
+@events.command("show")
+@click.argument("event_id")
+@json_option
+@click.pass_obj
+def events_show(obj: _Context, event_id: str, as_json: bool):
+    """One event: its row, deliveries, attempts with errors, operator actions, business rows it wrote."""
+    detail = obj.operator.show(event_id)
+    if detail is None:
+        click.echo(f"no event {event_id}", err=True)
+        sys.exit(1)
+    if as_json:
+        _echo_json(detail)
+        return
+    for key, value in detail["event"].items():
+        click.echo(f"{key:18} {'' if value is None else _plain(value)}")
+    click.echo(f"{'last delivered':18} {_plain(detail['deliveries']['last_delivered_at'])}")
+    click.echo("\nattempts")
+    _table(detail["attempts"], ["attempt", "worker", "started_at", "finished_at", "outcome", "error_class", "error"])
+    if detail["audit"]:
+        click.echo("\noperator actions")
+        _table(detail["audit"], ["at", "action", "actor", "from_status", "reason"])
+    click.echo("\nbusiness rows written by this event")
+    _table(detail["domain_rows"], ["table_name", "row_id"])
+
+
+@cli.command()
+@click.argument("event_ids", nargs=-1)
+@click.option("--status", "bulk_status", type=click.Choice(["failed_permanent", "failed_recoverable", "processed"]),
+              help="Bulk: replay every event in this state (processed needs --force).")
+@click.option("--type", "type_glob", help="Bulk: only this event type (glob allowed).")
+@click.option("--since", help="Bulk: received at or after (ISO time or duration ago).")
+@click.option("--until", help="Bulk: received before (ISO time or duration ago).")
+@click.option("--reason", help="Bulk: only events that failed with this reason (e.g. unsupported_type).")
+@click.option("--why", "why", help="Why you replay: recorded in the audit history.")
+@click.option("--force", is_flag=True, help="Also replay processed events (business writes are idempotent).")
+@click.option("--dry-run", is_flag=True, help="Print what would be replayed; change nothing.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation of a bulk replay.")
+@click.option("--rate", type=click.FloatRange(min=0.1), default=50.0, show_default=True,
+              help="At most this many replays per second, so live traffic keeps its workers.")
+@json_option
+@click.pass_obj
+def replay(obj: _Context, event_ids, bulk_status, type_glob, since, until, reason, why, force, dry_run, yes,
+           rate, as_json):
+    """Move events back to `received` and wake a worker for each.
+
+    Either name events (ledgerctl replay evt_1 evt_2) or select them in bulk
+    (ledgerctl replay --status failed_permanent --reason unsupported_type).
+    Events being processed or already waiting are left alone.
+    """
+    from ledger.operator import EventFilter
+
+    if bool(event_ids) == bool(bulk_status):
+        raise click.UsageError("name event ids, or select them with --status (not both)")
+    if bulk_status == "processed" and not force:
+        raise click.UsageError("replaying processed events needs --force")
+    bulk = bool(bulk_status)
+    if bulk:
+        ids = list(obj.operator.ids_for_replay(EventFilter(bulk_status, type_glob, _when(since), _when(until),
+                                                           reason)))
+    else:
+        ids = list(dict.fromkeys(event_ids))
+
+    if dry_run:
+        if as_json:
+            _echo_json({"would_replay": ids})
+        else:
+            for event_id in ids:
+                click.echo(event_id)
+            click.echo(f"{len(ids)} event(s) would be replayed (dry run, nothing changed)", err=True)
+        return
+    if bulk and ids and not yes:
+        click.confirm(f"Replay {len(ids)} event(s)?", abort=True, err=True)
+
+    actor = f"{getpass.getuser()}@{socket.gethostname()}"
+    waker = obj.waker()
+    replayed, skipped = [], []
+    interval = 1.0 / rate
+    next_at = time.monotonic()
+    with click.progressbar(ids, label="replaying", file=sys.stderr,
+                           hidden=len(ids) < 100 or as_json) as bar:
+        for event_id in bar:
+            delay = next_at - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            next_at = max(next_at, time.monotonic()) + interval
+            from_status = obj.operator.replay(event_id, actor=actor, reason=why, force=force)
+            if from_status is None:
+                skipped.append(event_id)
+                continue
+            waker.wake(event_id)
+            replayed.append({"id": event_id, "from_status": from_status})
+    if as_json:
+        _echo_json({"replayed": replayed, "skipped": skipped})
+    else:
+        for item in replayed:
+            click.echo(f"replayed {item['id']} (was {item['from_status']})")
+        for event_id in skipped:
+            click.echo(f"skipped  {event_id} (unknown, being processed, already waiting, processed without "
+                       f"--force, or payload pruned)")
+        click.echo(f"{len(replayed)} replayed, {len(skipped)} skipped", err=True)
+    sys.exit(1 if skipped or not ids else 0)
+
+
+@cli.command()
 @click.option("--loop", is_flag=True, help="Run forever, one pass every LEDGER_SWEEP_INTERVAL_S.")
-@click.option("--json", "as_json", is_flag=True, help="Print the pass result as JSON.")
+@json_option
 @click.pass_obj
 def sweep(obj: _Context, loop: bool, as_json: bool):
     """Re-drive overdue wake-ups: lost enqueues, dead workers, due retries.
@@ -66,34 +302,32 @@ def sweep(obj: _Context, loop: bool, as_json: bool):
         return
     result = runtime.sweeper.run_once()
     if as_json:
-        click.echo(json.dumps(result.__dict__))
+        _echo_json(result.__dict__)
     else:
         click.echo(f"re-drove {result.redriven} event(s); queue depth {result.queue_depth}"
                    + (" (skipped: broker backlog)" if result.skipped_backlog else ""))
 
 
-@cli.group()
-def events():
-    """Inspect events."""
-
-
-@events.command("show")
-@click.argument("event_id")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@cli.command()
+@click.option("--older-than", "older_than", required=True, help="Retention, e.g. 90d.")
+@click.option("--dry-run", is_flag=True, help="Only count what would be pruned.")
+@json_option
 @click.pass_obj
-def events_show(obj: _Context, event_id: str, as_json: bool):
-    """Show one event's ledger row."""
-    from ledger.db import ProcessPool
-    from ledger.store import EventStore
-
-    row = EventStore(ProcessPool(obj.settings, name="ledgerctl")).get_event(event_id)
-    if row is None:
-        raise click.ClickException(f"no event {event_id}")
+def prune(obj: _Context, older_than: str, dry_run: bool, as_json: bool):
+    """Drop payloads of processed events past retention. Unprocessed events are never touched."""
+    seconds = _duration_s(older_than)
+    if dry_run:
+        count = obj.operator.count_prunable(older_than_s=seconds)
+        if as_json:
+            _echo_json({"would_prune": count})
+        else:
+            click.echo(f"{count} payload(s) would be pruned (dry run, nothing changed)")
+        return
+    total = sum(obj.operator.prune_payloads(older_than_s=seconds))
     if as_json:
-        click.echo(json.dumps(row, default=str, indent=2))
+        _echo_json({"pruned": total})
     else:
-        for key, value in row.items():
-            click.echo(f"{key:18} {value}")
+        click.echo(f"pruned {total} payload(s)")
 
 
 def main():

@@ -61,7 +61,7 @@ class EventProcessor:
             # Decided before any business write: no handler, nothing to retry.
             return self._fail(claim, Failure(Kind.PERMANENT, "unsupported_type", "UnsupportedType",
                                              f"no handler for event type {claim.type}"), fields)
-        if claim.attempt > self.policy.max_attempts:
+        if claim.tries > self.policy.max_attempts:
             # Only reachable through lease rescues: a worker keeps dying on this event.
             return self._fail(claim, Failure(Kind.PERMANENT, "retries_exhausted", "LeaseExpired",
                                              "every attempt ended with its worker gone"), fields)
@@ -84,7 +84,7 @@ class EventProcessor:
         return Outcome.PROCESSED
 
     def _fail(self, claim: Claim, failure: Failure, fields: dict) -> Outcome:
-        decision = self.policy.decide(failure, claim.attempt)
+        decision = self.policy.decide(failure, claim.tries)
         if isinstance(decision, GiveUp):
             record = FailureRecord(EventStatus.FAILED_PERMANENT, decision.reason, failure.error_class,
                                    failure.message)

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from celery import Celery
+from kombu.exceptions import ChannelError
 
 from ledger.config import Settings
 from ledger.store import WorkerLedger
@@ -24,6 +25,17 @@ from workers import metrics
 from workers.wakeup import Waker
 
 log = logging.getLogger(__name__)
+
+
+def queue_depth(celery: Celery, queue: str) -> int | None:
+    """Messages waiting in the broker queue; None when the broker does not answer."""
+    try:
+        with celery.connection_for_read() as conn:
+            return conn.default_channel.queue_declare(queue=queue, passive=True).message_count
+    except ChannelError:
+        return 0  # the queue was never declared: nothing can be waiting in it
+    except Exception:
+        return None
 
 
 @dataclass(frozen=True)
@@ -40,16 +52,9 @@ class Sweeper:
     celery: Celery
     settings: Settings
 
-    def queue_depth(self) -> int | None:
-        try:
-            with self.celery.connection_for_read() as conn:
-                return conn.default_channel.queue_declare(
-                    queue=self.settings.queue_name, passive=True).message_count
-        except Exception:
-            return None  # broker unreachable: wake-ups will fail anyway; the ledger keeps the work
-
     def run_once(self) -> SweepResult:
-        depth = self.queue_depth()
+        # Broker unreachable (None): wake-ups will fail anyway; the ledger keeps the work.
+        depth = queue_depth(self.celery, self.settings.queue_name)
         if depth is not None and depth >= self.settings.sweep_batch:
             return SweepResult(0, depth, skipped_backlog=True)
         ids = self.ledger.take_overdue_wakeups(overdue_s=self.settings.sweep_overdue_s,

@@ -66,17 +66,19 @@ WITH claimed AS (
        AND (status = 'received'
             OR (status = 'failed_recoverable' AND next_attempt_at <= now())
             OR (status = 'processing' AND lease_expires_at < now()))
- RETURNING id, type, attempts, payload, stripe_created, livemode, api_version, account
+ RETURNING id, type, attempts, attempts - attempt_base AS tries, payload, stripe_created,
+           livemode, api_version, account
 ), closed AS (
     UPDATE ledger.attempts
        SET outcome = 'lease_expired', finished_at = now(),
            error_class = 'LeaseExpired', error = 'worker stopped before finishing; lease expired'
      WHERE event_id IN (SELECT id FROM claimed) AND outcome = 'running'
+ RETURNING event_id
 ), opened AS (
     INSERT INTO ledger.attempts (event_id, attempt, worker, lease_owner)
     SELECT id, attempts, %(worker)s, %(lease_owner)s FROM claimed
 )
-SELECT * FROM claimed
+SELECT claimed.*, EXISTS (SELECT 1 FROM closed) AS rescued FROM claimed
 
 -- name: event_lock_if_lease_held
 -- Worker, first statement of the apply transaction: the fence. Locks the row

@@ -1,0 +1,96 @@
+"""The operator's side of the ledger (ledgerctl): inspect, replay, prune.
+
+Replay runs the same kind of guarded compare-and-set as the workers: it can
+only move an event that nobody is working on.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Iterator
+
+from psycopg.rows import dict_row
+
+from ledger.db import ProcessPool
+from ledger.queries import SQL
+
+
+def glob_to_like(pattern: str | None) -> str | None:
+    """``invoice.*`` -> ``invoice.%`` (event types never contain % or _ wildcards we must keep)."""
+    if pattern is None:
+        return None
+    escaped = pattern.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return escaped.replace("*", "%").replace("?", "_")
+
+
+@dataclass(frozen=True)
+class EventFilter:
+    status: str | None = None
+    type_glob: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    reason: str | None = None
+
+    def params(self) -> dict[str, Any]:
+        return {"status": self.status, "type_like": glob_to_like(self.type_glob), "since": self.since,
+                "until": self.until, "reason": self.reason}
+
+
+class OperatorLedger:
+    def __init__(self, pool: ProcessPool):
+        self._pool = pool
+
+    def _all(self, sql: str, params: dict | None = None) -> list[dict[str, Any]]:
+        with self._pool.get().connection() as conn:
+            return conn.cursor(row_factory=dict_row).execute(sql, params or {}).fetchall()
+
+    def stats(self) -> dict[str, Any]:
+        by_status_type = self._all(SQL.stats_by_status_and_type)
+        unfinished = self._all(SQL.stats_unfinished)[0]
+        by_status: dict[str, int] = {}
+        for row in by_status_type:
+            by_status[row["status"]] = by_status.get(row["status"], 0) + row["events"]
+        age = unfinished["oldest_unprocessed_age_s"]
+        return {"by_status": by_status, "by_status_and_type": by_status_type,
+                "oldest_unprocessed_age_s": float(age) if age is not None else None,
+                **{k: unfinished[k] for k in ("unfinished", "due_retries", "scheduled_retries",
+                                              "expired_leases", "in_progress")}}
+
+    def list_events(self, where: EventFilter, limit: int) -> list[dict[str, Any]]:
+        return self._all(SQL.events_list, {**where.params(), "limit": limit})
+
+    def show(self, event_id: str) -> dict[str, Any] | None:
+        params = {"id": event_id}
+        rows = self._all(SQL.event_get, params)
+        if not rows:
+            return None
+        return {"event": rows[0], "deliveries": self._all(SQL.event_deliveries, params)[0],
+                "attempts": self._all(SQL.event_attempts, params), "audit": self._all(SQL.event_audit, params),
+                "domain_rows": self._all(SQL.event_domain_rows, params)}
+
+    def ids_for_replay(self, where: EventFilter, *, page: int = 500) -> Iterator[str]:
+        after = ""
+        while True:
+            rows = self._all(SQL.events_select_for_replay, {**where.params(), "after": after, "limit": page})
+            for row in rows:
+                yield row["id"]
+            if len(rows) < page:
+                return
+            after = rows[-1]["id"]
+
+    def replay(self, event_id: str, *, actor: str, reason: str | None, force: bool) -> str | None:
+        """Move one event back to received; its previous status, or None if it was not replayable."""
+        rows = self._all(SQL.event_replay_if_finished_or_failed,
+                         {"id": event_id, "actor": actor, "reason": reason, "force": force})
+        return rows[0]["from_status"] if rows else None
+
+    def count_prunable(self, *, older_than_s: float) -> int:
+        return self._all(SQL.events_count_prunable, {"older_than_s": older_than_s})[0]["prunable"]
+
+    def prune_payloads(self, *, older_than_s: float, batch: int = 1000) -> Iterator[int]:
+        """Prune in batches; yields the size of each batch until none is left."""
+        while True:
+            pruned = len(self._all(SQL.events_prune_payloads, {"older_than_s": older_than_s, "batch": batch}))
+            if not pruned:
+                return
+            yield pruned

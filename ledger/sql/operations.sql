@@ -1,0 +1,124 @@
+-- Operator statements (ledgerctl): inspection, replay, retention.
+
+-- name: stats_by_status_and_type
+SELECT status, type, count(*) AS events
+  FROM ledger.events
+ GROUP BY status, type
+ ORDER BY status, type
+
+-- name: stats_unfinished
+-- Reads only the small unfinished set (partial index), whatever the history size.
+SELECT count(*)                                                                  AS unfinished,
+       extract(epoch FROM now() - min(received_at))                              AS oldest_unprocessed_age_s,
+       count(*) FILTER (WHERE status = 'failed_recoverable' AND next_attempt_at <= now()) AS due_retries,
+       count(*) FILTER (WHERE status = 'failed_recoverable' AND next_attempt_at > now())  AS scheduled_retries,
+       count(*) FILTER (WHERE status = 'processing' AND lease_expires_at < now())        AS expired_leases,
+       count(*) FILTER (WHERE status = 'processing' AND lease_expires_at >= now())       AS in_progress
+  FROM ledger.events
+ WHERE status IN ('received', 'processing', 'failed_recoverable')
+
+-- name: events_list
+SELECT id, type, status, attempts, failure_reason, stripe_created, received_at, processed_at
+  FROM ledger.events
+ WHERE (%(status)s::text IS NULL OR status = %(status)s)
+   AND (%(type_like)s::text IS NULL OR type LIKE %(type_like)s)
+   AND (%(since)s::timestamptz IS NULL OR received_at >= %(since)s)
+   AND (%(until)s::timestamptz IS NULL OR received_at < %(until)s)
+ ORDER BY received_at DESC, id
+ LIMIT %(limit)s
+
+-- name: event_attempts
+SELECT attempt, worker, started_at, finished_at, outcome, error_class, error
+  FROM ledger.attempts
+ WHERE event_id = %(id)s
+ ORDER BY attempt
+
+-- name: event_audit
+SELECT action, actor, reason, from_status, at
+  FROM ledger.audit
+ WHERE event_id = %(id)s
+ ORDER BY at, id
+
+-- name: event_deliveries
+SELECT count(*) AS deliveries, min(delivered_at) AS first_delivered_at, max(delivered_at) AS last_delivered_at
+  FROM ledger.deliveries
+ WHERE event_id = %(id)s
+
+-- name: event_domain_rows
+-- Business rows whose current state this event wrote, and its transition record.
+SELECT 'billing.customers' AS table_name, id AS row_id FROM billing.customers WHERE source_event_id = %(id)s
+UNION ALL
+SELECT 'billing.subscriptions', id FROM billing.subscriptions WHERE source_event_id = %(id)s
+UNION ALL
+SELECT 'billing.invoices', id FROM billing.invoices WHERE source_event_id = %(id)s
+UNION ALL
+SELECT 'billing.checkout_sessions', id FROM billing.checkout_sessions WHERE source_event_id = %(id)s
+UNION ALL
+SELECT 'billing.subscription_transitions', subscription_id || ' ' || coalesce(from_status, '∅') || ' -> ' || to_status
+       || CASE WHEN applied THEN '' ELSE ' (stale, not applied)' END
+  FROM billing.subscription_transitions WHERE event_id = %(id)s
+
+-- name: events_select_for_replay
+-- Bulk replay, keyset-paginated by id so a long run neither skips nor repeats rows.
+SELECT id
+  FROM ledger.events
+ WHERE status = %(status)s
+   AND (%(type_like)s::text IS NULL OR type LIKE %(type_like)s)
+   AND (%(since)s::timestamptz IS NULL OR received_at >= %(since)s)
+   AND (%(until)s::timestamptz IS NULL OR received_at < %(until)s)
+   AND (%(reason)s::text IS NULL OR failure_reason = %(reason)s)
+   AND id > %(after)s
+ ORDER BY id
+ LIMIT %(limit)s
+
+-- name: event_replay_if_finished_or_failed
+-- Operator: failed_permanent | failed_recoverable (| processed, with force) -> received.
+-- The same guarded compare-and-set as every transition: an event a worker holds,
+-- or one already waiting, is left alone (no row). The retry budget starts again
+-- (attempt_base), the history keeps its attempts, and the audit says who and why.
+-- A processed event whose payload retention removed cannot be replayed.
+WITH target AS (
+    SELECT id, status
+      FROM ledger.events
+     WHERE id = %(id)s
+       AND (status IN ('failed_permanent', 'failed_recoverable')
+            OR (%(force)s AND status = 'processed'))
+       AND payload IS NOT NULL
+       FOR NO KEY UPDATE
+), replayed AS (
+    UPDATE ledger.events e
+       SET status = 'received', failure_reason = NULL, last_error = NULL, next_attempt_at = NULL,
+           processed_at = NULL, attempt_base = e.attempts, wakeup_at = now(), redrives = 0,
+           updated_at = now()
+      FROM target
+     WHERE e.id = target.id
+), audited AS (
+    INSERT INTO ledger.audit (event_id, action, actor, reason, from_status)
+    SELECT id, 'replay', %(actor)s, %(reason)s, status FROM target
+)
+SELECT id, status AS from_status FROM target
+
+-- name: events_prune_payloads
+-- Retention: drop the payload of processed events older than the cut-off, one
+-- batch at a time. Unfinished events are never touched (and the schema's CHECK
+-- refuses a NULL payload on any status but processed).
+WITH batch AS (
+    SELECT id
+      FROM ledger.events
+     WHERE status = 'processed' AND payload IS NOT NULL
+       AND processed_at < now() - make_interval(secs => %(older_than_s)s)
+     ORDER BY processed_at
+     LIMIT %(batch)s
+       FOR NO KEY UPDATE SKIP LOCKED
+)
+UPDATE ledger.events e
+   SET payload = NULL, updated_at = now()
+  FROM batch
+ WHERE e.id = batch.id
+RETURNING e.id
+
+-- name: events_count_prunable
+SELECT count(*) AS prunable
+  FROM ledger.events
+ WHERE status = 'processed' AND payload IS NOT NULL
+   AND processed_at < now() - make_interval(secs => %(older_than_s)s)
