@@ -84,7 +84,7 @@ class Settings:
 
 def _url(env: Mapping[str, str], name: str, default: str, schemes: set[str]) -> str:
     value = env.get(name, "").strip() or default
-    scheme = urlsplit(value).scheme
+    scheme = _scheme(name, value)
     if scheme not in schemes:
         raise ConfigError(f"{name} must be a URL with scheme {'/'.join(sorted(schemes))}, got scheme {scheme!r}")
     return value
@@ -94,9 +94,16 @@ def _optional_http_url(env: Mapping[str, str], name: str) -> str | None:
     value = env.get(name, "").strip()
     if not value:
         return None
-    if urlsplit(value).scheme not in {"http", "https"}:
+    if _scheme(name, value) not in {"http", "https"}:
         raise ConfigError(f"{name} must be an http(s) URL")
     return value
+
+
+def _scheme(name: str, value: str) -> str:
+    try:
+        return urlsplit(value).scheme
+    except ValueError:
+        raise ConfigError(f"{name} is not a valid URL") from None
 
 
 def _secrets(raw: str) -> tuple[str, ...]:

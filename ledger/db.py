@@ -47,6 +47,9 @@ class ProcessPool:
             kwargs={"autocommit": True, "connect_timeout": max(1, int(self._settings.db_pool_timeout_s)),
                     "options": options},
             name=self._name,
+            # The default backs off reconnecting for up to 5 minutes: after an
+            # outage the receiver would keep answering 503 long after Postgres is back.
+            reconnect_timeout=5,
             open=True,
         )
 

@@ -80,3 +80,128 @@ def private_postgres():
 
 def fixture_files() -> list[Path]:
     return sorted(FIXTURES_DIR.glob("*.json")) if FIXTURES_DIR.is_dir() else []
+
+
+# -- receiver tests ------------------------------------------------------------------
+
+@pytest.fixture
+def make_receiver_app():
+    """Build in-process receivers (ingest.app.create_app) from Settings; their pools are closed after the test."""
+    from ingest.app import create_app
+    from tests.support.receiver import drop_queue
+
+    apps = []
+
+    def make(app_settings: Settings):
+        app = create_app(app_settings)
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:
+        ext = app.extensions["ledger"]
+        ext.pool.close()
+        celery_app = getattr(ext.waker, "_celery", None)
+        if celery_app is not None:
+            celery_app.close()
+        # Wake-ups nobody consumes must not reach the next test (the sweep reads the queue depth).
+        drop_queue(ext.settings.broker_url, ext.settings.queue_name)
+
+
+@pytest.fixture
+def receiver_client(settings, make_receiver_app):
+    """A Flask test client of the receiver on the session database and the private Redis."""
+    return make_receiver_app(settings).test_client()
+
+
+@pytest.fixture
+def wakeup_queue(settings):
+    """The broker's list for settings.queue_name on the private Redis, emptied before the test."""
+    from tests.support.receiver import WakeupQueue
+
+    queue = WakeupQueue(settings.broker_url, settings.queue_name)
+    queue.clear()
+    yield queue
+    queue.clear()
+
+
+@pytest.fixture
+def start_receiver():
+    """Start the real receiver (gunicorn) as a subprocess; whatever is left is SIGKILLed after the test."""
+    from tests.support.receiver import GunicornReceiver, drop_queue
+
+    started = []
+
+    def start(env, **kwargs):
+        receiver = GunicornReceiver(env, **kwargs)
+        started.append(receiver)
+        return receiver.start()
+
+    yield start
+    for receiver in started:
+        receiver.close()
+        drop_queue(receiver.env["CELERY_BROKER_URL"], receiver.env.get("LEDGER_QUEUE") or Settings().queue_name)
+
+
+# --- Worker stage: in-process kit, test-only tables, isolated broker, real worker processes ---
+
+import dataclasses as _dataclasses
+import itertools as _itertools
+
+from tests.support.handlers_for_tests import ensure_test_tables as _ensure_test_tables
+from tests.support.workers import LedgerKit as _LedgerKit
+from tests.support.workers import WorkerProcess as _WorkerProcess
+
+# Redis databases other than 0 (the default) are handed out in turn to tests that run real workers.
+_broker_dbs = _itertools.count(1)
+
+
+@pytest.fixture
+def effects_table(db):
+    """public.test_effects / public.test_locks exist and are empty (the db fixture does not touch them)."""
+    with psycopg.connect(db, autocommit=True) as conn:
+        _ensure_test_tables(conn)
+    return db
+
+
+@pytest.fixture
+def kit(settings, effects_table):
+    """A LedgerKit on this test's clean database; closes its pools at teardown."""
+    k = _LedgerKit(settings)
+    yield k
+    k.close()
+
+
+@pytest.fixture
+def broker_settings(settings, redis_url):
+    """settings with a redis database and a queue of this test's own, flushed before and after."""
+    import redis
+
+    base = redis_url.rsplit("/", 1)[0]
+    with redis.Redis.from_url(redis_url) as probe:
+        databases = int(probe.config_get("databases")["databases"])
+    number = 1 + next(_broker_dbs) % (databases - 1) if databases > 1 else 0
+    url = f"{base}/{number}"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    yield _dataclasses.replace(settings, broker_url=url, queue_name=f"q-{uuid.uuid4().hex[:10]}")
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture
+def worker_factory(tmp_path):
+    """Start real ``celery worker`` processes; every one is SIGKILLed (whole group) at teardown."""
+    started: list[_WorkerProcess] = []
+
+    def start(settings: Settings, *, concurrency: int = 1, label: str = "w", ready: bool = True) -> _WorkerProcess:
+        worker = _WorkerProcess(settings, tmp_path, concurrency=concurrency, label=label)
+        started.append(worker)
+        worker.start()
+        if ready:
+            worker.wait_ready()
+        return worker
+
+    yield start
+    for worker in started:
+        worker.kill()

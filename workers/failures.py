@@ -93,6 +93,8 @@ def _classify_sql(exc: psycopg.Error) -> Failure:
             return Failure(Kind.RECOVERABLE, _RECOVERABLE_SQLSTATE[prefix], name, message)
     if state[:2] in _PERMANENT_SQLSTATE:
         return Failure(Kind.PERMANENT, _PERMANENT_SQLSTATE[state[:2]], name, message)
+    if isinstance(exc, psycopg.DataError):  # refused before it reached the server (e.g. a NUL in a string)
+        return Failure(Kind.PERMANENT, "invalid_data", name, message)
     if isinstance(exc, psycopg.OperationalError):  # connection lost: no SQLSTATE at all
         return Failure(Kind.RECOVERABLE, "db_connection", name, message)
     return Failure(Kind.RECOVERABLE, "db_error", name, message)

@@ -21,8 +21,10 @@ RETURNING id
 
 -- name: customer_insert_stub
 -- A customer we only know by id (from a Checkout session): never overwrites.
+-- Its ordering key is -infinity, so that any customer.* event, even one created
+-- before the Checkout session and delivered after it, still writes the row.
 INSERT INTO billing.customers (id, livemode, source_event_id, source_event_created)
-VALUES (%(id)s, %(livemode)s, %(event_id)s, %(event_created)s)
+VALUES (%(id)s, %(livemode)s, %(event_id)s, '-infinity')
 ON CONFLICT (id) DO NOTHING
 
 -- name: subscription_apply_event

@@ -1,0 +1,113 @@
+"""workers/registry: exact and glob patterns, every matching handler in registration order."""
+from __future__ import annotations
+
+from ledger.config import Settings
+from workers.registry import HandlerRegistry, load_handlers, registry
+
+WITH_TEST_HANDLERS = Settings(handler_modules=("tests.support.handlers_for_tests",))
+
+
+def _named(name, calls):
+    def fn(ctx):
+        calls.append(name)
+    fn.__name__ = name
+    return fn
+
+
+def test_an_exact_pattern_matches_only_its_type():
+    reg = HandlerRegistry()
+    fn = _named("paid", [])
+    reg.register("invoice.paid", fn)
+    assert reg.resolve("invoice.paid") == [fn]
+    assert reg.resolve("invoice.payment_failed") == []
+    assert reg.resolve("invoice.paid.extra") == []
+
+
+def test_a_glob_pattern_matches_every_type_under_it_including_nested_dots():
+    reg = HandlerRegistry()
+    fn = _named("any_customer", [])
+    reg.register("customer.*", fn)
+    assert reg.resolve("customer.created") == [fn]
+    assert reg.resolve("customer.subscription.updated") == [fn]
+    assert reg.resolve("customers.created") == []
+    # '.' is literal: invoice.* does not match invoice_payment.paid
+    reg.register("invoice.*", fn)
+    assert reg.resolve("invoice_payment.paid") == []
+
+
+def test_matching_is_case_sensitive():
+    reg = HandlerRegistry()
+    reg.register("invoice.paid", _named("paid", []))
+    assert reg.resolve("Invoice.Paid") == []
+
+
+def test_every_matching_handler_runs_in_registration_order():
+    calls: list[str] = []
+    reg = HandlerRegistry()
+    first, second, third = _named("first", calls), _named("second", calls), _named("third", calls)
+    reg.register("invoice.*", first)
+    reg.register("invoice.paid", second)
+    reg.register("*", third)
+    resolved = reg.resolve("invoice.paid")
+    assert resolved == [first, second, third]
+    for fn in resolved:
+        fn(None)
+    assert calls == ["first", "second", "third"]
+    assert reg.resolve("invoice.created") == [first, third]
+
+
+def test_a_handler_matching_through_several_patterns_runs_once():
+    reg = HandlerRegistry()
+    fn = _named("both", [])
+
+    reg.handler("invoice.paid", "invoice.*")(fn)
+    assert reg.resolve("invoice.paid") == [fn]
+    assert reg.patterns() == ["invoice.paid", "invoice.*"]
+
+
+def test_registering_the_same_pattern_and_handler_twice_keeps_one_entry():
+    reg = HandlerRegistry()
+    fn = _named("dup", [])
+    reg.register("invoice.paid", fn)
+    reg.register("invoice.paid", fn)
+    assert reg.patterns() == ["invoice.paid"]
+
+
+def test_an_unknown_type_has_no_handler():
+    reg = HandlerRegistry()
+    reg.register("invoice.*", _named("inv", []))
+    assert reg.resolve("charge.succeeded") == []
+    assert HandlerRegistry().resolve("anything") == []
+
+
+def test_the_decorator_returns_the_function_unchanged():
+    reg = HandlerRegistry()
+
+    @reg.handler("a.b")
+    def fn(ctx):
+        return "same"
+    assert fn(None) == "same"
+    assert reg.resolve("a.b") == [fn]
+
+
+def test_load_handlers_registers_the_billing_handlers_and_configured_modules():
+    loaded = load_handlers(WITH_TEST_HANDLERS)
+    assert loaded is registry
+    from tests.support import handlers_for_tests as t
+    from workers.billing import handlers as b
+
+    assert loaded.resolve("invoice.paid") == [b.apply_invoice]
+    assert loaded.resolve("customer.subscription.deleted") == [b.apply_subscription]
+    assert loaded.resolve("customer.updated") == [b.apply_customer]
+    assert loaded.resolve("checkout.session.completed") == [b.apply_checkout_session]
+    assert loaded.resolve("entitlements.active_entitlement_summary.updated") == [b.apply_entitlement_summary]
+    assert loaded.resolve("test.effect") == [t.effect]
+    for unsupported in ("charge.succeeded", "payment_intent.succeeded", "invoice.upcoming", "invoice_payment.paid",
+                        "price.created", "product.updated", "plan.created"):
+        assert loaded.resolve(unsupported) == [], unsupported
+
+
+def test_loading_handlers_twice_does_not_register_them_twice():
+    before = list(load_handlers(WITH_TEST_HANDLERS).patterns())
+    after = load_handlers(WITH_TEST_HANDLERS).patterns()
+    assert after == before
