@@ -45,6 +45,8 @@ class Settings:
     sweep_batch: int = 500
     sweep_interval_s: float = 5.0
     # User handler modules (import paths) and the price/product -> features map.
+    # Workers and the sweep serve Prometheus metrics on this port when set.
+    metrics_port: int | None = None
     handler_modules: tuple[str, ...] = ()
     entitlements_map_path: str | None = None
 
@@ -77,6 +79,7 @@ class Settings:
             sweep_overdue_s=_number(env, "LEDGER_SWEEP_OVERDUE_S", defaults.sweep_overdue_s, float, minimum=0.1),
             sweep_batch=_number(env, "LEDGER_SWEEP_BATCH", defaults.sweep_batch, int, minimum=1),
             sweep_interval_s=_number(env, "LEDGER_SWEEP_INTERVAL_S", defaults.sweep_interval_s, float, minimum=0.1),
+            metrics_port=_number(env, "METRICS_PORT", None, int, minimum=1),
             handler_modules=tuple(m.strip() for m in env.get("LEDGER_HANDLER_MODULES", "").split(",") if m.strip()),
             entitlements_map_path=env.get("LEDGER_ENTITLEMENTS_MAP") or None,
         )

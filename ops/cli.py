@@ -289,7 +289,8 @@ def replay(obj: _Context, event_ids, bulk_status, type_glob, since, until, reaso
 def sweep(obj: _Context, loop: bool, as_json: bool):
     """Re-drive overdue wake-ups: lost enqueues, dead workers, due retries.
 
-    Safe to run in several replicas at once.
+    Safe to run in several replicas at once. With --loop and METRICS_PORT set,
+    serves Prometheus metrics, including ledger gauges read from Postgres.
     """
     from ledger.logs import configure as configure_logging
     from workers.app import make_celery
@@ -298,6 +299,11 @@ def sweep(obj: _Context, loop: bool, as_json: bool):
     configure_logging()
     runtime = Runtime(obj.settings, make_celery(obj.settings))
     if loop:
+        if obj.settings.metrics_port:
+            # The sweep is the natural home of ledger-wide gauges: one per deployment, always running.
+            from workers.metrics import serve
+
+            serve(obj.settings.metrics_port, operator=obj.operator)
         runtime.sweeper.run_forever()
         return
     result = runtime.sweeper.run_once()
@@ -328,6 +334,48 @@ def prune(obj: _Context, older_than: str, dry_run: bool, as_json: bool):
         _echo_json({"pruned": total})
     else:
         click.echo(f"pruned {total} payload(s)")
+
+
+@cli.command("send-test-event")
+@click.option("--url", default="http://127.0.0.1:8000/webhooks/stripe", show_default=True,
+              help="The receiver's webhook URL.")
+@click.option("--file", "path", type=click.Path(exists=True, dir_okay=False),
+              help="A Stripe event JSON file to send (default: a fresh customer.created).")
+@click.option("--print-curl", is_flag=True, help="Print a ready-to-paste signed curl command instead of sending.")
+@click.pass_obj
+def send_test_event(obj: _Context, url: str, path: str | None, print_curl: bool):
+    """Sign an event with STRIPE_WEBHOOK_SECRET exactly as Stripe does and deliver it."""
+    import shlex
+    import urllib.error
+    import urllib.request
+
+    from ops.factories import body_of, event, new_id, sign
+
+    secret = obj.settings.require_webhook_secrets()[-1]
+    if path:
+        with open(path, encoding="utf-8") as fh:
+            body = fh.read()
+    else:
+        customer = new_id("cus")
+        body = body_of(event("customer.created", {"id": customer, "object": "customer",
+                                                  "email": f"{customer}@example.test", "metadata": {}},
+                             created=int(time.time())))
+    header = sign(body, secret)
+    if print_curl:
+        click.echo(f"curl -sS -X POST {shlex.quote(url)} -H 'Content-Type: application/json' "
+                   f"-H {shlex.quote('Stripe-Signature: ' + header)} --data-binary {shlex.quote(body)}")
+        return
+    request = urllib.request.Request(url, data=body.encode(), method="POST",
+                                     headers={"Content-Type": "application/json", "Stripe-Signature": header})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            click.echo(f"{response.status} {response.read().decode()}")
+    except urllib.error.HTTPError as exc:
+        click.echo(f"{exc.code} {exc.read().decode()}")
+        sys.exit(1)
+    except urllib.error.URLError as exc:
+        click.echo(f"receiver not reachable at {url}: {exc.reason}", err=True)
+        sys.exit(1)
 
 
 def main():

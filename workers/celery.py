@@ -1,6 +1,10 @@
 """The worker's Celery app: ``celery -A workers worker`` finds ``app`` here."""
 from __future__ import annotations
 
+import os
+
+from celery.signals import worker_init, worker_process_shutdown
+
 from ledger.config import Settings
 from ledger.errors import ConfigError
 from ledger.logs import configure as configure_logging
@@ -14,3 +18,20 @@ except ConfigError as exc:
 
 app = make_celery(settings)
 app.conf.imports = ("workers.tasks",)
+
+
+@worker_init.connect
+def _serve_metrics(**_):
+    # In the pool's parent, once: children write to PROMETHEUS_MULTIPROC_DIR, the parent serves the sum.
+    if settings.metrics_port:
+        from workers.metrics import serve
+
+        serve(settings.metrics_port)
+
+
+@worker_process_shutdown.connect
+def _forget_dead_child(pid=None, **_):
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and pid:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)

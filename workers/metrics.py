@@ -1,8 +1,67 @@
-"""Worker and sweep metrics (prometheus-client)."""
+"""Worker and sweep metrics (prometheus-client).
+
+Counters are incremented where things happen (processor, sweep). Ledger-wide
+gauges (events by status, oldest unprocessed age, due retries, expired leases)
+are read from Postgres at scrape time by ``LedgerCollector``: the ledger is the
+truth, so no process has to keep them in memory.
+
+``serve(port)`` exposes them over HTTP. Celery's prefork children each count on
+their own: set ``PROMETHEUS_MULTIPROC_DIR`` (an empty directory per host) so the
+parent's endpoint adds up every child.
+"""
 from __future__ import annotations
 
-from prometheus_client import Counter
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import REGISTRY, multiprocess
+from prometheus_client.core import GaugeMetricFamily
 
 ATTEMPTS = Counter("worker_attempts_total", "Finished attempts by event type, outcome and reason",
                    ["type", "outcome", "reason"])
+ATTEMPT_SECONDS = Histogram("worker_attempt_seconds", "Time from claim to finished attempt", ["type"],
+                            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+RETRIES_SCHEDULED = Counter("worker_retries_scheduled_total", "Recoverable failures scheduled for a retry",
+                            ["type", "reason"])
+LEASE_RESCUES = Counter("worker_lease_rescues_total", "Claims that took over an attempt whose worker died")
 REDRIVES = Counter("sweep_redrives_total", "Wake-ups re-sent by the recovery sweep")
+
+
+class LedgerCollector:
+    """Gauges read from ledger.events at scrape time (only the small unfinished set, plus status counts)."""
+
+    def __init__(self, operator):
+        self._operator = operator
+
+    def collect(self):
+        try:
+            stats = self._operator.stats()
+        except Exception:
+            return  # Postgres unreachable: no gauges this scrape rather than wrong ones
+        by_status = GaugeMetricFamily("ledger_events", "Events in the ledger by status", labels=["status"])
+        for status, count in stats["by_status"].items():
+            by_status.add_metric([status], count)
+        yield by_status
+        age = stats["oldest_unprocessed_age_s"]
+        yield GaugeMetricFamily("ledger_oldest_unprocessed_age_seconds",
+                                "Age of the oldest event not yet processed (0 when none)", value=age or 0.0)
+        yield GaugeMetricFamily("ledger_due_retries", "Recoverable failures whose retry is due",
+                                value=stats["due_retries"])
+        yield GaugeMetricFamily("ledger_expired_leases", "Processing events whose worker's lease expired",
+                                value=stats["expired_leases"])
+
+
+def registry_for_export(operator=None) -> CollectorRegistry:
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+    else:
+        registry = REGISTRY
+    if operator is not None:
+        registry.register(LedgerCollector(operator))
+    return registry
+
+
+def serve(port: int, operator=None) -> None:
+    """Expose /metrics on ``port`` from a background thread of this process."""
+    start_http_server(port, registry=registry_for_export(operator))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -55,6 +56,15 @@ class EventProcessor:
             log.info("not claimed", extra={"event_id": event_id, "outcome": Outcome.NOT_CLAIMED.value})
             return Outcome.NOT_CLAIMED
         fields = {"event_id": claim.event_id, "type": claim.type, "attempt": claim.attempt}
+        if claim.rescued:
+            metrics.LEASE_RESCUES.inc()
+        started = time.perf_counter()
+        try:
+            return self._attempt(claim, fields)
+        finally:
+            metrics.ATTEMPT_SECONDS.labels(claim.type).observe(time.perf_counter() - started)
+
+    def _attempt(self, claim: Claim, fields: dict) -> Outcome:
 
         handlers = self.registry.resolve(claim.type)
         if not handlers:
@@ -103,6 +113,8 @@ class EventProcessor:
             self.waker.wake(claim.event_id, countdown_s=record.delay_s)
         outcome = Outcome(record.status.value)
         metrics.ATTEMPTS.labels(claim.type, outcome.value, record.reason).inc()
+        if outcome is Outcome.FAILED_RECOVERABLE:
+            metrics.RETRIES_SCHEDULED.labels(claim.type, record.reason).inc()
         log.warning("attempt failed", extra={**fields, "outcome": outcome.value, "reason": record.reason,
                                              "error_class": failure.error_class,
                                              "retry_in_s": record.delay_s})
