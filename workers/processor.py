@@ -9,7 +9,7 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from ledger.config import Settings
@@ -40,15 +40,15 @@ class EventProcessor:
     policy: RetryPolicy
     waker: Waker | None
     lease_s: int
-    worker_name: str = f"{socket.gethostname()}:{os.getpid()}"
+    # host:pid of the process that runs the attempt (read when built, i.e. after fork).
+    worker_name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
 
     @classmethod
     def from_settings(cls, settings: Settings, ledger: WorkerLedger, registry: HandlerRegistry,
                       waker: Waker | None) -> "EventProcessor":
         policy = RetryPolicy(base_s=settings.retry_base_s, cap_s=settings.retry_cap_s,
                              max_attempts=settings.max_attempts)
-        return cls(ledger=ledger, registry=registry, policy=policy, waker=waker, lease_s=settings.lease_s,
-                   worker_name=f"{socket.gethostname()}:{os.getpid()}")
+        return cls(ledger=ledger, registry=registry, policy=policy, waker=waker, lease_s=settings.lease_s)
 
     def process(self, event_id: str) -> Outcome:
         claim = self.ledger.claim(event_id, worker=self.worker_name, lease_s=self.lease_s)
@@ -65,7 +65,6 @@ class EventProcessor:
             metrics.ATTEMPT_SECONDS.labels(claim.type).observe(time.perf_counter() - started)
 
     def _attempt(self, claim: Claim, fields: dict) -> Outcome:
-
         handlers = self.registry.resolve(claim.type)
         if not handlers:
             # Decided before any business write: no handler, nothing to retry.
@@ -76,7 +75,6 @@ class EventProcessor:
             return self._fail(claim, Failure(Kind.PERMANENT, "retries_exhausted", "LeaseExpired",
                                              "every attempt ended with its worker gone"), fields)
 
-        context = None
         try:
             with self.ledger.applying(claim) as conn:
                 context = ApplyContext(conn=conn, event_id=claim.event_id, event_type=claim.type,
