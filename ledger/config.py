@@ -45,6 +45,11 @@ class Settings:
     sweep_batch: int = 500
     sweep_interval_s: float = 5.0
     # User handler modules (import paths) and the price/product -> features map.
+    # Outbox: the product backend that receives the built-in effects
+    # (entitlements.changed, invoice.payment_failed), signed with this secret.
+    outbox_webhook_url: str | None = None
+    outbox_webhook_secret: str | None = field(default=None, repr=False)
+    outbox_timeout_s: float = 10.0
     # Workers and the sweep serve Prometheus metrics on this port when set.
     metrics_port: int | None = None
     handler_modules: tuple[str, ...] = ()
@@ -79,6 +84,9 @@ class Settings:
             sweep_overdue_s=_number(env, "LEDGER_SWEEP_OVERDUE_S", defaults.sweep_overdue_s, float, minimum=0.1),
             sweep_batch=_number(env, "LEDGER_SWEEP_BATCH", defaults.sweep_batch, int, minimum=1),
             sweep_interval_s=_number(env, "LEDGER_SWEEP_INTERVAL_S", defaults.sweep_interval_s, float, minimum=0.1),
+            outbox_webhook_url=_optional_http_url(env, "OUTBOX_WEBHOOK_URL"),
+            outbox_webhook_secret=_outbox_secret(env),
+            outbox_timeout_s=_number(env, "OUTBOX_TIMEOUT_S", defaults.outbox_timeout_s, float, minimum=0.1),
             metrics_port=_number(env, "METRICS_PORT", None, int, minimum=1),
             handler_modules=tuple(m.strip() for m in env.get("LEDGER_HANDLER_MODULES", "").split(",") if m.strip()),
             entitlements_map_path=env.get("LEDGER_ENTITLEMENTS_MAP") or None,
@@ -107,6 +115,13 @@ def _scheme(name: str, value: str) -> str:
         return urlsplit(value).scheme
     except ValueError:
         raise ConfigError(f"{name} is not a valid URL") from None
+
+
+def _outbox_secret(env: Mapping[str, str]) -> str | None:
+    secret = env.get("OUTBOX_WEBHOOK_SECRET", "").strip() or None
+    if env.get("OUTBOX_WEBHOOK_URL", "").strip() and (secret is None or len(secret) < 16):
+        raise ConfigError("OUTBOX_WEBHOOK_SECRET must be set (16+ characters) when OUTBOX_WEBHOOK_URL is set")
+    return secret
 
 
 def _secrets(raw: str) -> tuple[str, ...]:

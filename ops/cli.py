@@ -303,7 +303,7 @@ def sweep(obj: _Context, loop: bool, as_json: bool):
             # The sweep is the natural home of ledger-wide gauges: one per deployment, always running.
             from workers.metrics import serve
 
-            serve(obj.settings.metrics_port, operator=obj.operator)
+            serve(obj.settings.metrics_port, operator=obj.operator, outbox=_outbox(obj))
         runtime.sweeper.run_forever()
         return
     result = runtime.sweeper.run_once()
@@ -334,6 +334,92 @@ def prune(obj: _Context, older_than: str, dry_run: bool, as_json: bool):
         _echo_json({"pruned": total})
     else:
         click.echo(f"pruned {total} payload(s)")
+
+
+@cli.group()
+def outbox():
+    """Inspect and replay external effects (the transactional outbox)."""
+
+
+def _outbox(obj: _Context):
+    from ledger.outbox import OutboxLedger
+
+    return OutboxLedger(obj.pool)
+
+
+@outbox.command("list")
+@click.option("--status", type=click.Choice(["pending", "sending", "sent", "failed_recoverable",
+                                             "failed_permanent"]))
+@click.option("--effect", "effect_glob", help="Effect name, glob allowed (entitlements.*).")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 100_000))
+@json_option
+@click.pass_obj
+def outbox_list(obj: _Context, status, effect_glob, limit, as_json):
+    """List recorded effects, newest first."""
+    from ledger.operator import glob_to_like
+
+    rows = _outbox(obj).list(status=status, effect_like=glob_to_like(effect_glob), limit=limit)
+    if as_json:
+        _echo_json(rows)
+    else:
+        _table(rows, ["id", "effect", "status", "attempts", "failure_reason", "idempotency_key", "created_at"])
+
+
+@outbox.command("show")
+@click.argument("outbox_id", type=int)
+@json_option
+@click.pass_obj
+def outbox_show(obj: _Context, outbox_id: int, as_json: bool):
+    """One effect: its row, payload and last error."""
+    row = _outbox(obj).get(outbox_id)
+    if row is None:
+        click.echo(f"no effect {outbox_id}", err=True)
+        sys.exit(1)
+    if as_json:
+        _echo_json(row)
+        return
+    for key, value in row.items():
+        shown = json.dumps(value, sort_keys=True) if isinstance(value, dict) else _plain(value)
+        click.echo(f"{key:18} {'' if value is None else shown}")
+
+
+@outbox.command("replay")
+@click.argument("outbox_ids", nargs=-1, type=int)
+@click.option("--status", "bulk_status", type=click.Choice(["failed_permanent", "failed_recoverable", "sent"]),
+              help="Bulk: every effect in this state (sent needs --force).")
+@click.option("--effect", "effect_glob", help="Bulk: only this effect (glob allowed).")
+@click.option("--force", is_flag=True, help="Also re-send effects already sent (same idempotency key).")
+@click.option("--dry-run", is_flag=True, help="Print what would be replayed; change nothing.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation of a bulk replay.")
+@json_option
+@click.pass_obj
+def outbox_replay(obj: _Context, outbox_ids, bulk_status, effect_glob, force, dry_run, yes, as_json):
+    """Move effects back to pending and wake a dispatcher for each."""
+    from ledger.operator import glob_to_like
+
+    if bool(outbox_ids) == bool(bulk_status):
+        raise click.UsageError("name effect ids, or select them with --status (not both)")
+    if bulk_status == "sent" and not force:
+        raise click.UsageError("re-sending sent effects needs --force")
+    ledger = _outbox(obj)
+    ids = list(ledger.ids_for_replay(status=bulk_status, effect_like=glob_to_like(effect_glob))) if bulk_status \
+        else list(dict.fromkeys(outbox_ids))
+    if dry_run:
+        _echo_json({"would_replay": ids}) if as_json else click.echo("\n".join(map(str, ids)) or "nothing")
+        return
+    if bulk_status and ids and not yes:
+        click.confirm(f"Replay {len(ids)} effect(s)?", abort=True, err=True)
+    waker = obj.waker()
+    replayed = [i for i in ids if ledger.replay(i, force=force)]
+    for outbox_id in replayed:
+        waker.wake_effect(outbox_id)
+    skipped = [i for i in ids if i not in set(replayed)]
+    if as_json:
+        _echo_json({"replayed": replayed, "skipped": skipped})
+    else:
+        click.echo(f"{len(replayed)} replayed, {len(skipped)} skipped"
+                   + (f" (not failed, or sent without --force: {skipped})" if skipped else ""))
+    sys.exit(1 if skipped or not ids else 0)
 
 
 @cli.command("send-test-event")

@@ -11,7 +11,7 @@ from celery import Celery
 from ledger.config import Settings
 
 PROCESS_EVENT_TASK = "workers.process_event"
-SWEEP_TASK = "workers.sweep"
+DISPATCH_EFFECT_TASK = "workers.dispatch_effect"
 
 # Redis redelivers an unacked message after this; countdowns must stay well below it
 # or a scheduled retry runs twice (see MAX_COUNTDOWN_S).

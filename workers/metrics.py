@@ -25,19 +25,31 @@ RETRIES_SCHEDULED = Counter("worker_retries_scheduled_total", "Recoverable failu
                             ["type", "reason"])
 LEASE_RESCUES = Counter("worker_lease_rescues_total", "Claims that took over an attempt whose worker died")
 REDRIVES = Counter("sweep_redrives_total", "Wake-ups re-sent by the recovery sweep")
+OUTBOX_SENT = Counter("outbox_sent_total", "Effects delivered", ["effect"])
+OUTBOX_RETRIES = Counter("outbox_retries_total", "Effect deliveries that failed recoverably and were rescheduled",
+                         ["effect", "reason"])
+OUTBOX_FAILED = Counter("outbox_failed_total", "Effects that ended failed_permanent", ["effect", "reason"])
 
 
 class LedgerCollector:
     """Gauges read from ledger.events at scrape time (only the small unfinished set, plus status counts)."""
 
-    def __init__(self, operator):
+    def __init__(self, operator, outbox=None):
         self._operator = operator
+        self._outbox = outbox
 
     def collect(self):
         try:
             stats = self._operator.stats()
+            outbox = self._outbox.stats() if self._outbox is not None else None
         except Exception:
             return  # Postgres unreachable: no gauges this scrape rather than wrong ones
+        if outbox is not None:
+            yield GaugeMetricFamily("outbox_depth", "Effects recorded and not yet sent", value=outbox["depth"])
+            yield GaugeMetricFamily("outbox_failed_permanent", "Effects waiting for an operator",
+                                    value=outbox["failed_permanent"])
+            yield GaugeMetricFamily("outbox_oldest_unsent_age_seconds", "Age of the oldest unsent effect",
+                                    value=outbox["oldest_unsent_age_s"] or 0.0)
         by_status = GaugeMetricFamily("ledger_events", "Events in the ledger by status", labels=["status"])
         for status, count in stats["by_status"].items():
             by_status.add_metric([status], count)
@@ -51,17 +63,17 @@ class LedgerCollector:
                                 value=stats["expired_leases"])
 
 
-def registry_for_export(operator=None) -> CollectorRegistry:
+def registry_for_export(operator=None, outbox=None) -> CollectorRegistry:
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
     else:
         registry = REGISTRY
     if operator is not None:
-        registry.register(LedgerCollector(operator))
+        registry.register(LedgerCollector(operator, outbox))
     return registry
 
 
-def serve(port: int, operator=None) -> None:
+def serve(port: int, operator=None, outbox=None) -> None:
     """Expose /metrics on ``port`` from a background thread of this process."""
-    start_http_server(port, registry=registry_for_export(operator))
+    start_http_server(port, registry=registry_for_export(operator, outbox))

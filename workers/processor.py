@@ -40,15 +40,16 @@ class EventProcessor:
     policy: RetryPolicy
     waker: Waker | None
     lease_s: int
+    # Effects some sender can deliver (built-in handlers skip the others).
+    enabled_effects: frozenset[str] = frozenset()
     # host:pid of the process that runs the attempt (read when built, i.e. after fork).
     worker_name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
 
     @classmethod
     def from_settings(cls, settings: Settings, ledger: WorkerLedger, registry: HandlerRegistry,
-                      waker: Waker | None) -> "EventProcessor":
-        policy = RetryPolicy(base_s=settings.retry_base_s, cap_s=settings.retry_cap_s,
-                             max_attempts=settings.max_attempts)
-        return cls(ledger=ledger, registry=registry, policy=policy, waker=waker, lease_s=settings.lease_s)
+                      waker: Waker | None, enabled_effects: frozenset[str] = frozenset()) -> "EventProcessor":
+        return cls(ledger=ledger, registry=registry, policy=RetryPolicy.from_settings(settings), waker=waker,
+                   lease_s=settings.lease_s, enabled_effects=enabled_effects)
 
     def process(self, event_id: str) -> Outcome:
         claim = self.ledger.claim(event_id, worker=self.worker_name, lease_s=self.lease_s)
@@ -79,13 +80,19 @@ class EventProcessor:
             with self.ledger.applying(claim) as conn:
                 context = ApplyContext(conn=conn, event_id=claim.event_id, event_type=claim.type,
                                        created=claim.created, livemode=claim.livemode, account=claim.account,
-                                       event=claim.payload, attempt=claim.attempt)
+                                       event=claim.payload, attempt=claim.attempt,
+                                       enabled_effects=self.enabled_effects)
                 for handle in handlers:
                     handle(context)
         except LeaseLost:
             return self._lease_lost(claim, fields)
         except Exception as exc:  # classified right here, where it is caught
             return self._fail(claim, classify(exc), fields)
+
+        if self.waker is not None:
+            # After COMMIT: the effects exist; a lost wake-up is re-driven by the sweep.
+            for outbox_id in context.emitted:
+                self.waker.wake_effect(outbox_id)
 
         metrics.ATTEMPTS.labels(claim.type, Outcome.PROCESSED.value, "").inc()
         log.info("event processed", extra={**fields, "outcome": Outcome.PROCESSED.value})

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Callable
@@ -48,10 +48,32 @@ class ApplyContext:
     account: str | None
     event: dict[str, Any]
     attempt: int
+    # Effects a sender is configured for; ids of the effects this attempt recorded.
+    enabled_effects: frozenset[str] = frozenset()
+    emitted: list[int] = field(default_factory=list)
 
     @property
     def object(self) -> dict[str, Any]:
         return self.event["data"]["object"]
+
+    def emit(self, effect: str, payload: dict[str, Any], *, key: str | None = None,
+             ordering_key: str | None = None, if_configured: bool = False) -> int | None:
+        """Record an external effect in this transaction; it is delivered after COMMIT, at least once.
+
+        Its idempotency key is ``<event id>:<effect>[:<key>]``: re-applying the
+        event records nothing new. Effects with the same ``ordering_key`` (a
+        customer id) carry increasing sequence numbers in commit order.
+        ``if_configured`` skips the effect when no sender is configured for it.
+        """
+        if if_configured and effect not in self.enabled_effects:
+            return None
+        from ledger.outbox import record
+
+        outbox_id = record(self.conn, idempotency_key=":".join(p for p in (self.event_id, effect, key) if p),
+                           effect=effect, event_id=self.event_id, ordering_key=ordering_key, payload=payload)
+        if outbox_id is not None:
+            self.emitted.append(outbox_id)
+        return outbox_id
 
 
 Handler = Callable[[ApplyContext], None]

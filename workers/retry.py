@@ -32,6 +32,10 @@ class RetryPolicy:
     max_attempts: int = 8
     rng: random.Random = field(default_factory=random.Random, compare=False)
 
+    @classmethod
+    def from_settings(cls, settings) -> "RetryPolicy":
+        return cls(base_s=settings.retry_base_s, cap_s=settings.retry_cap_s, max_attempts=settings.max_attempts)
+
     def ceiling_s(self, attempt: int) -> float:
         return min(self.cap_s, self.base_s * 2 ** (max(attempt, 1) - 1))
 

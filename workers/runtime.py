@@ -7,9 +7,13 @@ from celery import Celery
 
 from ledger.config import Settings
 from ledger.db import ProcessPool
+from ledger.outbox import OutboxLedger
 from ledger.store import WorkerLedger
+from workers.dispatcher import OutboxDispatcher
+from workers.effects import Sender, load_senders
 from workers.processor import EventProcessor
 from workers.registry import load_handlers
+from workers.retry import RetryPolicy
 from workers.sweep import Sweeper
 from workers.wakeup import Waker
 
@@ -28,14 +32,29 @@ class Runtime:
         return WorkerLedger(self.pool)
 
     @cached_property
+    def outbox(self) -> OutboxLedger:
+        return OutboxLedger(self.pool)
+
+    @cached_property
+    def senders(self) -> dict[str, Sender]:
+        return load_senders(self.settings)
+
+    @cached_property
     def waker(self) -> Waker:
         return Waker(self.celery)
 
     @cached_property
     def processor(self) -> EventProcessor:
         registry = load_handlers(self.settings)
-        return EventProcessor.from_settings(self.settings, self.ledger, registry, self.waker)
+        return EventProcessor.from_settings(self.settings, self.ledger, registry, self.waker,
+                                            enabled_effects=frozenset(self.senders))
+
+    @cached_property
+    def dispatcher(self) -> OutboxDispatcher:
+        return OutboxDispatcher(ledger=self.outbox, senders=self.senders,
+                                policy=RetryPolicy.from_settings(self.settings), waker=self.waker,
+                                lease_s=self.settings.lease_s)
 
     @cached_property
     def sweeper(self) -> Sweeper:
-        return Sweeper(self.ledger, self.waker, self.celery, self.settings)
+        return Sweeper(self.ledger, self.waker, self.celery, self.settings, outbox=self.outbox)

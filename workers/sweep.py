@@ -20,6 +20,7 @@ from celery import Celery
 from kombu.exceptions import ChannelError
 
 from ledger.config import Settings
+from ledger.outbox import OutboxLedger
 from ledger.store import WorkerLedger
 from workers import metrics
 from workers.wakeup import Waker
@@ -43,6 +44,7 @@ class SweepResult:
     redriven: int
     queue_depth: int | None
     skipped_backlog: bool
+    effects_redriven: int = 0
 
 
 @dataclass
@@ -51,6 +53,8 @@ class Sweeper:
     waker: Waker
     celery: Celery
     settings: Settings
+    # Unsent effects are re-driven the same way (the outbox's backstop).
+    outbox: OutboxLedger | None = None
 
     def run_once(self) -> SweepResult:
         # Broker unreachable (None): wake-ups will fail anyway; the ledger keeps the work.
@@ -60,11 +64,15 @@ class Sweeper:
         ids = self.ledger.take_overdue_wakeups(overdue_s=self.settings.sweep_overdue_s,
                                                batch=self.settings.sweep_batch)
         sent = sum(self.waker.wake(event_id) for event_id in ids)
-        if ids:
-            metrics.REDRIVES.inc(sent)
+        effect_ids = [] if self.outbox is None else self.outbox.take_overdue_wakeups(
+            overdue_s=self.settings.sweep_overdue_s, batch=max(0, self.settings.sweep_batch - len(ids)))
+        sent_effects = sum(self.waker.wake_effect(outbox_id) for outbox_id in effect_ids)
+        if ids or effect_ids:
+            metrics.REDRIVES.inc(sent + sent_effects)
             log.info("sweep re-drove overdue wake-ups", extra={"redriven": sent, "picked": len(ids),
+                                                             "effects_redriven": sent_effects,
                                                              "queue_depth": depth})
-        return SweepResult(sent, depth, skipped_backlog=False)
+        return SweepResult(sent, depth, skipped_backlog=False, effects_redriven=sent_effects)
 
     def run_forever(self, *, stop_after: float | None = None) -> None:
         started = time.monotonic()
@@ -75,5 +83,5 @@ class Sweeper:
                 log.error("sweep pass failed; next pass will try again", extra={"error_class": type(exc).__name__})
                 result = None
             # A full batch means more may be waiting: go again without sleeping.
-            if result is None or result.redriven < self.settings.sweep_batch:
+            if result is None or result.redriven + result.effects_redriven < self.settings.sweep_batch:
                 time.sleep(self.settings.sweep_interval_s)

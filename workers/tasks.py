@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from workers.app import PROCESS_EVENT_TASK
+from workers.app import DISPATCH_EFFECT_TASK, PROCESS_EVENT_TASK
 from workers.celery import app, settings
 from workers.runtime import Runtime
 
@@ -20,3 +20,11 @@ def process_event(event_id: str) -> str:
     if not isinstance(event_id, str) or not event_id.startswith("evt_"):
         return "ignored"
     return runtime.processor.process(event_id).value
+
+
+@shared_task(name=DISPATCH_EFFECT_TASK, ignore_result=True)
+def dispatch_effect(outbox_id: int) -> str:
+    """Deliver one recorded effect; the row in ledger.outbox is the truth."""
+    if not isinstance(outbox_id, int) or isinstance(outbox_id, bool):
+        return "ignored"
+    return runtime.dispatcher.dispatch(outbox_id)

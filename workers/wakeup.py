@@ -9,7 +9,7 @@ import logging
 
 from celery import Celery
 
-from workers.app import PROCESS_EVENT_TASK
+from workers.app import DISPATCH_EFFECT_TASK, PROCESS_EVENT_TASK
 
 log = logging.getLogger(__name__)
 
@@ -19,13 +19,20 @@ class Waker:
         self._celery = celery
 
     def wake(self, event_id: str, *, countdown_s: float | None = None) -> bool:
-        """Publish one wake-up; True if the broker took it."""
+        """Publish one wake-up for an event; True if the broker took it."""
+        return self._send(PROCESS_EVENT_TASK, event_id, countdown_s, {"event_id": event_id})
+
+    def wake_effect(self, outbox_id: int, *, countdown_s: float | None = None) -> bool:
+        """Publish one wake-up for a recorded effect; True if the broker took it."""
+        return self._send(DISPATCH_EFFECT_TASK, outbox_id, countdown_s, {"outbox_id": outbox_id})
+
+    def _send(self, task: str, arg, countdown_s: float | None, fields: dict) -> bool:
         try:
-            self._celery.send_task(PROCESS_EVENT_TASK, args=[event_id], countdown=countdown_s, retry=False)
+            self._celery.send_task(task, args=[arg], countdown=countdown_s, retry=False)
             return True
         except Exception as exc:  # any broker or network failure: the sweep recovers it
             log.warning("wake-up not sent; the sweep will re-drive it",
-                        extra={"event_id": event_id, "error_class": type(exc).__name__})
+                        extra={**fields, "error_class": type(exc).__name__})
             return False
 
     def ping(self) -> bool:

@@ -144,3 +144,7 @@ ON CONFLICT (id) DO UPDATE
  WHERE (t.source_event_created, t.source_event_id)
      < (EXCLUDED.source_event_created, EXCLUDED.source_event_id)
 RETURNING id
+
+-- name: entitlements_of_customer
+-- The customer's current features from every source, to tell whether a change happened.
+SELECT DISTINCT feature FROM billing.entitlements WHERE customer_id = %(customer_id)s ORDER BY feature

@@ -67,8 +67,22 @@ def recompute_entitlements(ctx: ApplyContext, customer_id: str) -> None:
     """Derive subscription entitlements from current state: idempotent by construction."""
     params = {"customer_id": customer_id}
     ctx.conn.execute(SQL["entitlements_lock_customer"], params)
+    before = _features(ctx, customer_id)
     ctx.conn.execute(SQL["entitlements_revoke_lapsed"], params)
     ctx.conn.execute(SQL["entitlements_grant_current"], params)
+    _announce_if_changed(ctx, customer_id, before)
+
+
+def _features(ctx: ApplyContext, customer_id: str) -> list[str]:
+    return [r[0] for r in ctx.conn.execute(SQL["entitlements_of_customer"], {"customer_id": customer_id})]
+
+
+def _announce_if_changed(ctx: ApplyContext, customer_id: str, before: list[str]) -> None:
+    """entitlements.changed: the customer's whole current set, so a receiver can apply the latest and drop stale ones."""
+    after = _features(ctx, customer_id)
+    if after != before:
+        ctx.emit("entitlements.changed", {"customer_id": customer_id, "entitlements": after},
+                 key=customer_id, ordering_key=customer_id, if_configured=True)
 
 
 @handler("invoice.created", "invoice.updated", "invoice.finalized", "invoice.paid",
@@ -77,6 +91,10 @@ def recompute_entitlements(ctx: ApplyContext, customer_id: str) -> None:
 def apply_invoice(ctx: ApplyContext) -> None:
     row = mapping.invoice_row(ctx.object, deleted=ctx.event_type == "invoice.deleted")
     ctx.conn.execute(SQL["invoice_upsert_if_newer"], _stamp(ctx, row))
+    if ctx.event_type == "invoice.payment_failed":
+        # A failed payment is news even if a newer invoice state arrived first: notify once per event.
+        ctx.emit("invoice.payment_failed", mapping.payment_failed_notice(ctx.object),
+                 ordering_key=row["customer_id"], if_configured=True)
 
 
 @handler("checkout.session.completed")
@@ -96,5 +114,7 @@ def apply_entitlement_summary(ctx: ApplyContext) -> None:
     ctx.conn.execute(SQL["entitlements_lock_customer"], params)
     if ctx.conn.execute(SQL["entitlement_summary_claim_if_newer"], params).fetchone() is None:
         return  # a newer summary was already applied
+    before = _features(ctx, customer_id)
     ctx.conn.execute(SQL["entitlements_replace_from_stripe"], params)
     ctx.conn.execute(SQL["entitlements_add_from_stripe"], params)
+    _announce_if_changed(ctx, customer_id, before)

@@ -177,3 +177,17 @@ def entitlement_summary(obj: Obj) -> tuple[str, list[str]]:
             raise UnmappablePayload(f"data.object.entitlements.data[{index}].lookup_key")
         features.add(key)
     return customer, sorted(features)
+
+
+def payment_failed_notice(obj: Obj) -> dict[str, Any]:
+    """The invoice.payment_failed effect's payload: what a dunning e-mail needs, nothing more."""
+    return {
+        "invoice_id": _required_id(obj, "id"),
+        "customer_id": _id(obj.get("customer")),
+        "subscription_id": invoice_subscription_id(obj),
+        "amount_due": _int(obj.get("amount_due")),
+        "currency": _str(obj.get("currency")),
+        "attempt_count": _int(obj.get("attempt_count")),
+        "next_payment_attempt": _int(obj.get("next_payment_attempt")),
+        "hosted_invoice_url": _str(obj.get("hosted_invoice_url")),
+    }

@@ -1,0 +1,99 @@
+"""The outbox's side of the ledger: record (inside the apply transaction), claim,
+finish, fail, sweep, and the operator's list/show/replay."""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from ledger.db import ProcessPool
+from ledger.queries import SQL
+from ledger.store import LeaseLost
+
+
+@dataclass(frozen=True)
+class EffectClaim:
+    """One delivery attempt of one recorded effect, owned until the lease expires."""
+    id: int
+    idempotency_key: str
+    effect: str
+    event_id: str
+    ordering_key: str | None
+    payload: dict[str, Any]
+    attempt: int
+    tries: int
+    lease_owner: str
+
+
+def record(conn: psycopg.Connection, *, idempotency_key: str, effect: str, event_id: str,
+           ordering_key: str | None, payload: dict[str, Any]) -> int | None:
+    """Record an effect on the apply transaction's connection; None if the key was already recorded."""
+    row = conn.execute(SQL.outbox_record, {"idempotency_key": idempotency_key, "effect": effect,
+                                           "event_id": event_id, "ordering_key": ordering_key,
+                                           "payload": Jsonb(payload)}).fetchone()
+    return row[0] if row else None
+
+
+class OutboxLedger:
+    def __init__(self, pool: ProcessPool):
+        self._pool = pool
+
+    def _all(self, sql: str, params: dict) -> list[dict[str, Any]]:
+        with self._pool.get().connection() as conn:
+            cursor = conn.cursor(row_factory=dict_row).execute(sql, params)
+            return cursor.fetchall() if cursor.description else []
+
+    def claim(self, outbox_id: int, *, lease_s: int) -> EffectClaim | None:
+        lease_owner = uuid.uuid4().hex
+        rows = self._all(SQL.outbox_claim, {"id": outbox_id, "lease_owner": lease_owner, "lease_s": lease_s})
+        if not rows:
+            return None
+        row = rows[0]
+        return EffectClaim(id=row["id"], idempotency_key=row["idempotency_key"], effect=row["effect"],
+                           event_id=row["event_id"], ordering_key=row["ordering_key"], payload=row["payload"],
+                           attempt=row["attempts"], tries=row["tries"], lease_owner=lease_owner)
+
+    def finish(self, claim: EffectClaim) -> None:
+        if not self._all(SQL.outbox_finish_if_lease_held, {"id": claim.id, "lease_owner": claim.lease_owner}):
+            raise LeaseLost()
+
+    def fail(self, claim: EffectClaim, *, status: str, reason: str, error: str, delay_s: float | None,
+             wake_scheduled: bool) -> None:
+        params = {"id": claim.id, "lease_owner": claim.lease_owner, "status": status, "reason": reason,
+                  "error": error[:2000], "delay_s": delay_s, "wake_scheduled": wake_scheduled}
+        if not self._all(SQL.outbox_fail_if_lease_held, params):
+            raise LeaseLost()
+
+    def take_overdue_wakeups(self, *, overdue_s: float, batch: int) -> list[int]:
+        return [r["id"] for r in self._all(SQL.outbox_sweep_overdue_wakeups,
+                                           {"overdue_s": overdue_s, "batch": batch})]
+
+    def list(self, *, status: str | None, effect_like: str | None, limit: int) -> list[dict[str, Any]]:
+        return self._all(SQL.outbox_list, {"status": status, "effect_like": effect_like, "limit": limit})
+
+    def get(self, outbox_id: int) -> dict[str, Any] | None:
+        rows = self._all(SQL.outbox_get, {"id": outbox_id})
+        return rows[0] if rows else None
+
+    def ids_for_replay(self, *, status: str, effect_like: str | None, page: int = 500) -> Iterator[int]:
+        after = 0
+        while True:
+            rows = self._all(SQL.outbox_select_for_replay,
+                             {"status": status, "effect_like": effect_like, "after": after, "limit": page})
+            yield from (r["id"] for r in rows)
+            if len(rows) < page:
+                return
+            after = rows[-1]["id"]
+
+    def replay(self, outbox_id: int, *, force: bool) -> bool:
+        return bool(self._all(SQL.outbox_replay_if_failed, {"id": outbox_id, "force": force}))
+
+    def stats(self) -> dict[str, Any]:
+        row = self._all(SQL.outbox_stats, {})[0]
+        age = row["oldest_unsent_age_s"]
+        return {"depth": row["depth"], "failed_permanent": row["failed_permanent"],
+                "oldest_unsent_age_s": float(age) if age is not None else None}
