@@ -13,6 +13,9 @@ class InvalidSignature(LedgerError):
 def verify(body: bytes, header: str | None, secrets: tuple[str, ...], tolerance_s: int) -> None:
     if not header:
         raise InvalidSignature("missing Stripe-Signature header")
+    if not header.isascii():
+        # Stripe's header is ASCII; the library's hmac.compare_digest raises TypeError on a non-ASCII v1 value.
+        raise InvalidSignature("malformed Stripe-Signature header")
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError:

@@ -8,6 +8,7 @@ import logging
 import time
 
 from flask import Blueprint, current_app, jsonify, request
+from werkzeug.exceptions import RequestEntityTooLarge
 
 from ingest import metrics
 from ingest.envelope import InvalidEvent, parse_event
@@ -30,6 +31,10 @@ def receive_stripe_event():
     started = time.perf_counter()
     ext = current_app.extensions["ledger"]
     body = request.get_data(cache=False)  # past max_body_bytes this raises 413
+    if request.content_length is None and len(body) >= ext.settings.max_body_bytes \
+            and request.environ["wsgi.input"].read(1):
+        # A streamed (chunked) body is cut at the limit without an error: one byte more is too large.
+        raise RequestEntityTooLarge()
     try:
         verify(body, request.headers.get("Stripe-Signature"), ext.secrets, ext.settings.signature_tolerance_s)
         event = parse_event(body)

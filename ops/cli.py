@@ -465,8 +465,18 @@ def send_test_event(obj: _Context, url: str, path: str | None, print_curl: bool)
 
 
 def main():
+    import logging
+
+    import psycopg
+    from psycopg_pool import PoolTimeout
+
+    # The pool's own reconnect warnings would bury the one line an operator needs.
+    logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
     try:
         cli(standalone_mode=True)
     except (ConfigError, LedgerError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
+    except (PoolTimeout, psycopg.OperationalError) as exc:
+        click.echo(f"error: the ledger database is unreachable ({type(exc).__name__})", err=True)
+        sys.exit(1)

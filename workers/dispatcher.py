@@ -37,6 +37,10 @@ class OutboxDispatcher:
             return Outcome.NOT_CLAIMED.value
         fields = {"outbox_id": claim.id, "effect": claim.effect, "event_id": claim.event_id,
                   "attempt": claim.attempt}
+        if claim.tries > self.policy.max_attempts:
+            # Only reachable through lease rescues: a dispatcher keeps dying on this effect.
+            return self._fail(claim, Failure(Kind.PERMANENT, "retries_exhausted", "LeaseExpired",
+                                             "every attempt ended with its dispatcher gone"), None, fields)
         sender = self.senders.get(claim.effect)
         if sender is None:
             return self._fail(claim, Failure(Kind.PERMANENT, "no_sender", "NoSender",

@@ -59,6 +59,17 @@ def sign(body: bytes, secret: str, timestamp: int | None = None) -> str:
     return f"t={timestamp},v1={mac}"
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is an answer, not a new destination: following a 301/302/303 would re-send as a GET
+    without the body, and a 2xx from there would count as delivered. Refused, it is an HTTPError."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
 @dataclass(frozen=True)
 class WebhookSender:
     url: str
@@ -73,7 +84,7 @@ class WebhookSender:
             "Content-Type": "application/json", "Idempotency-Key": delivery.idempotency_key,
             "Ledger-Signature": sign(body, self.secret), "User-Agent": "stripe-ledger-outbox"})
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            with _OPENER.open(request, timeout=self.timeout_s) as response:
                 response.read()
         except urllib.error.HTTPError as exc:
             raise _classify_status(exc.code, exc.headers.get("Retry-After")) from None

@@ -8,6 +8,7 @@ Retries are bounded either way (retries_exhausted).
 """
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -79,15 +80,28 @@ def classify(exc: BaseException) -> Failure:
     if name == "SoftTimeLimitExceeded":
         return Failure(Kind.RECOVERABLE, "time_limit", name, "attempt exceeded its soft time limit")
     if isinstance(exc, (ConnectionError, TimeoutError, OSError)) or _is_broker_error(exc):
-        return Failure(Kind.RECOVERABLE, "network", name, str(exc)[:500])
-    return Failure(Kind.RECOVERABLE, "unexpected_error", name, str(exc)[:500])
+        return Failure(Kind.RECOVERABLE, "network", name, _where(exc))
+    return Failure(Kind.RECOVERABLE, "unexpected_error", name, _where(exc))
+
+
+def _where(exc: BaseException) -> str:
+    """Where an unrecognised error was raised, never its message: messages of
+    arbitrary exceptions quote their input, and the input here is a payload."""
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+    if not frames:
+        return f"{type(exc).__name__} (no traceback)"
+    frame = frames[-1]
+    return f"{type(exc).__name__} raised at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}"
 
 
 def _classify_sql(exc: psycopg.Error) -> Failure:
     name = type(exc).__name__
     state = exc.sqlstate or ""
-    # The diagnostic's primary message names the constraint or column, never a value.
-    message = f"SQLSTATE {state or 'none'}: {(exc.diag.message_primary or name)[:300]}"
+    # Names only (table, column, constraint): Postgres' own messages may quote the offending value.
+    diag = exc.diag
+    names = ", ".join(f"{k}={v}" for k, v in (("table", diag.table_name), ("column", diag.column_name),
+                                              ("constraint", diag.constraint_name)) if v)
+    message = f"SQLSTATE {state or 'none'} ({name})" + (f": {names}" if names else "")
     for prefix in sorted(_RECOVERABLE_SQLSTATE, key=len, reverse=True):
         if state.startswith(prefix):
             return Failure(Kind.RECOVERABLE, _RECOVERABLE_SQLSTATE[prefix], name, message)

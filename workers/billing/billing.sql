@@ -27,13 +27,19 @@ INSERT INTO billing.customers (id, livemode, source_event_id, source_event_creat
 VALUES (%(id)s, %(livemode)s, %(event_id)s, '-infinity')
 ON CONFLICT (id) DO NOTHING
 
+-- name: subscription_lock
+-- First statement of applying a subscription event: lock the row (if any) for
+-- the rest of the apply transaction and read its status, the transition's
+-- from_status. A statement of its own: a FOR UPDATE inside the WITH below runs
+-- after that statement's own upsert changed the row, finds it "updated by the
+-- current command" and returns nothing (from_status was always NULL).
+SELECT status FROM billing.subscriptions WHERE id = %(id)s FOR UPDATE
+
 -- name: subscription_apply_event
 -- Upsert the subscription snapshot if newer, and record the event's transition
--- (from the status before, to the status the event carries) exactly once per
--- event id. `applied` is false for a stale event.
-WITH before AS (
-    SELECT status FROM billing.subscriptions WHERE id = %(id)s FOR UPDATE
-), upserted AS (
+-- (from the status before, read by subscription_lock, to the status the event
+-- carries) exactly once per event id. `applied` is false for a stale event.
+WITH upserted AS (
     INSERT INTO billing.subscriptions AS t
            (id, customer_id, status, price_id, product_id, quantity, cancel_at_period_end,
             current_period_start, current_period_end, trial_end, canceled_at, ended_at,
@@ -59,7 +65,7 @@ WITH before AS (
     INSERT INTO billing.subscription_transitions
            (event_id, event_type, subscription_id, from_status, to_status,
             period_start, period_end, applied, event_created)
-    SELECT %(event_id)s, %(event_type)s, %(id)s, (SELECT status FROM before), %(status)s,
+    SELECT %(event_id)s, %(event_type)s, %(id)s, %(from_status)s::text, %(status)s,
            %(current_period_start)s, %(current_period_end)s,
            EXISTS (SELECT 1 FROM upserted), %(event_created)s
     ON CONFLICT (event_id) DO NOTHING

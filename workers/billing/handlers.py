@@ -59,7 +59,8 @@ def apply_customer(ctx: ApplyContext) -> None:
          "customer.subscription.pending_update_applied", "customer.subscription.pending_update_expired")
 def apply_subscription(ctx: ApplyContext) -> None:
     row = mapping.subscription_row(ctx.object, _entitlements_map)
-    ctx.conn.execute(SQL["subscription_apply_event"], _stamp(ctx, row))
+    before = ctx.conn.execute(SQL["subscription_lock"], {"id": row["id"]}).fetchone()
+    ctx.conn.execute(SQL["subscription_apply_event"], {**_stamp(ctx, row), "from_status": before and before[0]})
     recompute_entitlements(ctx, row["customer_id"])
 
 
