@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass
 
 from celery import Celery
-from kombu.exceptions import ChannelError
 
 from ledger.config import Settings
 from ledger.outbox import OutboxLedger
@@ -29,12 +28,15 @@ log = logging.getLogger(__name__)
 
 
 def queue_depth(celery: Celery, queue: str) -> int | None:
-    """Messages waiting in the broker queue; None when the broker does not answer."""
+    """Messages waiting in the broker queue; None when the broker does not answer.
+
+    Declares the queue (idempotent) rather than only asking: a broker that came
+    back empty (Redis restarted or flushed) gets its queue and bindings again.
+    """
     try:
-        with celery.connection_for_read() as conn:
-            return conn.default_channel.queue_declare(queue=queue, passive=True).message_count
-    except ChannelError:
-        return 0  # the queue was never declared: nothing can be waiting in it
+        with celery.connection_for_write() as conn:
+            declared = celery.amqp.queues[queue].bind(conn.default_channel).queue_declare()
+            return declared.message_count
     except Exception:
         return None
 

@@ -70,6 +70,11 @@ def env_for(settings: Settings, *, handler_modules: tuple[str, ...] = (TEST_HAND
         "PYTHONPATH": str(REPO),
         "PYTHONUNBUFFERED": "1",
     })
+    if settings.outbox_webhook_url:
+        # The outbox's webhook sender (only when the test configures one).
+        env.update({"OUTBOX_WEBHOOK_URL": settings.outbox_webhook_url,
+                    "OUTBOX_WEBHOOK_SECRET": settings.outbox_webhook_secret or "",
+                    "OUTBOX_TIMEOUT_S": str(settings.outbox_timeout_s)})
     env.update(extra or {})
     return env
 
@@ -77,9 +82,12 @@ def env_for(settings: Settings, *, handler_modules: tuple[str, ...] = (TEST_HAND
 class WorkerProcess:
     """``celery -A workers worker`` on ``settings.queue_name``, in its own process group."""
 
-    def __init__(self, settings: Settings, log_dir: Path, *, concurrency: int = 1, label: str = "w"):
+    def __init__(self, settings: Settings, log_dir: Path, *, concurrency: int = 1, label: str = "w",
+                 handler_modules: tuple[str, ...] = (TEST_HANDLERS,), extra_env: Mapping[str, str] | None = None):
         self.settings = settings
         self.concurrency = concurrency
+        self.handler_modules = handler_modules
+        self.extra_env = dict(extra_env or {})
         self.node = f"{label}-{uuid.uuid4().hex[:8]}"
         self.log_path = Path(log_dir) / f"{self.node}.log"
         self.proc: subprocess.Popen | None = None
@@ -89,7 +97,9 @@ class WorkerProcess:
                "--loglevel=INFO", "-Q", self.settings.queue_name, "-n", f"{self.node}@%h",
                "--without-mingle", "--without-gossip", "--without-heartbeat"]
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env_for(self.settings), stdout=log,
+            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log,
+                                         env=env_for(self.settings, handler_modules=self.handler_modules,
+                                                     extra=self.extra_env),
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
         return self
@@ -165,9 +175,10 @@ def pid_alive(pid: int) -> bool:
     return _alive(pid)
 
 
-def run_ledgerctl(settings: Settings, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([LEDGERCTL, *args], cwd=REPO, env=env_for(settings), capture_output=True, text=True,
-                          timeout=timeout_s, stdin=subprocess.DEVNULL)
+def run_ledgerctl(settings: Settings, *args: str, timeout_s: float = 60,
+                  extra_env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([LEDGERCTL, *args], cwd=REPO, env=env_for(settings, extra=extra_env), capture_output=True,
+                          text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
 
 
 class LedgerKit:
