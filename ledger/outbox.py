@@ -32,6 +32,8 @@ class EffectClaim:
 def record(conn: psycopg.Connection, *, idempotency_key: str, effect: str, event_id: str,
            ordering_key: str | None, payload: dict[str, Any]) -> int | None:
     """Record an effect on the apply transaction's connection; None if the key was already recorded."""
+    if ordering_key is not None:
+        conn.execute(SQL.outbox_lock_ordering_key, {"ordering_key": ordering_key})
     row = conn.execute(SQL.outbox_record, {"idempotency_key": idempotency_key, "effect": effect,
                                            "event_id": event_id, "ordering_key": ordering_key,
                                            "payload": Jsonb(payload)}).fetchone()

@@ -310,7 +310,8 @@ def sweep(obj: _Context, loop: bool, as_json: bool):
     if as_json:
         _echo_json(result.__dict__)
     else:
-        click.echo(f"re-drove {result.redriven} event(s); queue depth {result.queue_depth}"
+        click.echo(f"re-drove {result.redriven} event(s) and {result.effects_redriven} effect(s); "
+                   f"queue depth {result.queue_depth}"
                    + (" (skipped: broker backlog)" if result.skipped_backlog else ""))
 
 

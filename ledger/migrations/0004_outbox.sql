@@ -3,8 +3,8 @@
 -- once, each carrying its idempotency key so the receiving side applies it once.
 
 CREATE TABLE IF NOT EXISTS ledger.outbox (
-    -- Also the effect's sequence number: within one ordering key (a customer),
-    -- rows are recorded under that customer's lock, so ids follow commit order.
+    -- Also the effect's sequence number: effects of one ordering key (a customer)
+    -- are recorded under a lock on that key, so their ids follow commit order.
     id               bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     -- Deterministic, from stable ids (evt_123:entitlements.changed:cus_9):
     -- re-applying an event can never record an effect twice.

@@ -9,6 +9,12 @@ VALUES (%(idempotency_key)s, %(effect)s, %(event_id)s, %(ordering_key)s, %(paylo
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING id
 
+-- name: outbox_lock_ordering_key
+-- Handler, inside the apply transaction, before recording an effect with an
+-- ordering key: effects of one key are then recorded one transaction at a time,
+-- so their ids (the sequence receivers see) follow commit order.
+SELECT pg_advisory_xact_lock(hashtextextended('ledger.outbox:' || %(ordering_key)s, 0))
+
 -- name: outbox_claim
 -- Dispatcher: pending | failed_recoverable (due) | sending (lease expired) -> sending.
 -- The same compare-and-set as event_claim: one dispatcher owns a delivery attempt.
