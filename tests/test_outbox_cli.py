@@ -14,6 +14,7 @@ from tests.support.workers import run_ledgerctl
 from workers.dispatcher import OutboxDispatcher
 from workers.effects import DeliveryFailed
 from workers.retry import RetryPolicy
+from workers.app import effects_queue
 
 LIST_FIELDS = {"id", "effect", "idempotency_key", "event_id", "ordering_key", "status", "attempts", "failure_reason",
                "created_at", "sent_at"}
@@ -42,7 +43,8 @@ def outbox(kit, broker_settings):
     sent = rows[0]["id"]
     assert dispatcher.dispatch(sent) == "sent"
     assert dispatcher.dispatch(failed) == "failed_permanent"
-    queue = WakeupQueue(broker_settings.broker_url, broker_settings.queue_name)
+    # Effect wake-ups travel on the effects queue.
+    queue = WakeupQueue(broker_settings.broker_url, effects_queue(broker_settings.queue_name))
     queue.clear()
     return {"rows": rows, "sent": sent, "failed": failed, "queue": queue, "settings": broker_settings,
             "pending": [r["id"] for r in rows if r["id"] not in (sent, failed)]}

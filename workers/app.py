@@ -7,6 +7,7 @@ failed compare-and-set, nothing more.
 from __future__ import annotations
 
 from celery import Celery
+from kombu import Queue
 
 from ledger.config import Settings
 
@@ -17,6 +18,12 @@ DISPATCH_EFFECT_TASK = "workers.dispatch_effect"
 # or a scheduled retry runs twice (see MAX_COUNTDOWN_S).
 VISIBILITY_TIMEOUT_S = 3600
 MAX_COUNTDOWN_S = 300
+
+
+def effects_queue(queue: str) -> str:
+    """Effect deliveries wait on outside systems: they get a queue of their own, so a
+    pool that consumes only the event queue never waits on a slow backend."""
+    return f"{queue}.effects"
 
 
 def make_celery(settings: Settings, *, publisher_only: bool = False) -> Celery:
@@ -35,6 +42,9 @@ def make_celery(settings: Settings, *, publisher_only: bool = False) -> Celery:
         broker_connection_timeout=settings.broker_timeout_s,
         broker_connection_retry_on_startup=True,
         task_default_queue=settings.queue_name,
+        # A worker started without -Q consumes both queues; -Q splits them into separate pools.
+        task_queues=(Queue(settings.queue_name), Queue(effects_queue(settings.queue_name))),
+        task_routes={DISPATCH_EFFECT_TASK: {"queue": effects_queue(settings.queue_name)}},
         # Ack after the task ran: a worker that dies mid-task leaves the message to be redelivered.
         task_acks_late=True,
         # A child killed by a signal or OOM requeues its message instead of acking it.

@@ -25,6 +25,7 @@ from ops.stripe_sim import Backoff, StripeSimulator
 from tests.support import acceptance_business
 from tests.support.receiver import GunicornReceiver, drop_queue, receiver_env
 from tests.support.workers import CELERY, REPO, WorkerProcess, env_for, pid_alive, run_ledgerctl, wait_for
+from workers.app import effects_queue
 
 RELEASES = {1: ("tests.support.acceptance_release1",), 2: ("tests.support.acceptance_release2",)}
 
@@ -50,7 +51,8 @@ class AcceptanceWorker(WorkerProcess):
 
     def start(self) -> "AcceptanceWorker":
         cmd = [CELERY, "-A", "workers", "worker", "--pool=prefork", "-c", str(self.concurrency),
-               "--loglevel=INFO", "-Q", self.settings.queue_name, "-n", f"{self.node}@%h",
+               "--loglevel=INFO", "-Q", f"{self.settings.queue_name},{effects_queue(self.settings.queue_name)}",
+               "-n", f"{self.node}@%h",
                "--without-mingle", "--without-gossip", "--without-heartbeat"]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=env_for(self.settings, handler_modules=self.modules),

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Mapping, TypeVar
 
 from ledger.config import Settings
+from workers.app import effects_queue
 
 REPO = Path(__file__).resolve().parents[2]
 CELERY = str(Path(sys.executable).with_name("celery"))
@@ -94,7 +95,8 @@ class WorkerProcess:
 
     def start(self) -> "WorkerProcess":
         cmd = [CELERY, "-A", "workers", "worker", "--pool=prefork", "-c", str(self.concurrency),
-               "--loglevel=INFO", "-Q", self.settings.queue_name, "-n", f"{self.node}@%h",
+               "--loglevel=INFO", "-Q", f"{self.settings.queue_name},{effects_queue(self.settings.queue_name)}",
+               "-n", f"{self.node}@%h",
                "--without-mingle", "--without-gossip", "--without-heartbeat"]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log,
