@@ -16,6 +16,7 @@ from workers.billing import mapping
 from workers.registry import ApplyContext, handler
 
 SQL = load("workers.billing")
+ENTITLEMENTS_CHANGED = "entitlements.changed"
 
 
 def _stamp(ctx: ApplyContext, row: dict) -> dict:
@@ -68,7 +69,7 @@ def recompute_entitlements(ctx: ApplyContext, customer_id: str) -> None:
     """Derive subscription entitlements from current state: idempotent by construction."""
     params = {"customer_id": customer_id}
     ctx.conn.execute(SQL["entitlements_lock_customer"], params)
-    before = _features(ctx, customer_id)
+    before = _features_if_announced(ctx, customer_id)
     ctx.conn.execute(SQL["entitlements_revoke_lapsed"], params)
     ctx.conn.execute(SQL["entitlements_grant_current"], params)
     _announce_if_changed(ctx, customer_id, before)
@@ -78,11 +79,19 @@ def _features(ctx: ApplyContext, customer_id: str) -> list[str]:
     return [r[0] for r in ctx.conn.execute(SQL["entitlements_of_customer"], {"customer_id": customer_id})]
 
 
-def _announce_if_changed(ctx: ApplyContext, customer_id: str, before: list[str]) -> None:
+def _features_if_announced(ctx: ApplyContext, customer_id: str) -> list[str] | None:
+    """The set before a change, read only when entitlements.changed has a sender: otherwise
+    nothing would be announced, and these reads were 2 of a subscription event's 11 round trips."""
+    return _features(ctx, customer_id) if ENTITLEMENTS_CHANGED in ctx.enabled_effects else None
+
+
+def _announce_if_changed(ctx: ApplyContext, customer_id: str, before: list[str] | None) -> None:
     """entitlements.changed: the customer's whole current set, so a receiver can apply the latest and drop stale ones."""
+    if before is None:
+        return  # no sender for entitlements.changed (see _features_if_announced)
     after = _features(ctx, customer_id)
     if after != before:
-        ctx.emit("entitlements.changed", {"customer_id": customer_id, "entitlements": after},
+        ctx.emit(ENTITLEMENTS_CHANGED, {"customer_id": customer_id, "entitlements": after},
                  key=customer_id, ordering_key=customer_id, if_configured=True)
 
 
@@ -115,7 +124,7 @@ def apply_entitlement_summary(ctx: ApplyContext) -> None:
     ctx.conn.execute(SQL["entitlements_lock_customer"], params)
     if ctx.conn.execute(SQL["entitlement_summary_claim_if_newer"], params).fetchone() is None:
         return  # a newer summary was already applied
-    before = _features(ctx, customer_id)
+    before = _features_if_announced(ctx, customer_id)
     ctx.conn.execute(SQL["entitlements_replace_from_stripe"], params)
     ctx.conn.execute(SQL["entitlements_add_from_stripe"], params)
     _announce_if_changed(ctx, customer_id, before)
