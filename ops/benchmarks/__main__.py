@@ -1,0 +1,181 @@
+"""ops/bench <scenario>|all [--quick]: see docs/benchmarks.md."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from . import report
+from .scenarios import ALL, SCENARIOS, Bench, Options, log
+from .stack import REPO
+
+DOCS = REPO / "docs"
+
+
+def _loadavg() -> tuple[float, float, float]:
+    with open("/proc/loadavg") as fh:
+        one, five, fifteen = fh.read().split()[:3]
+    return float(one), float(five), float(fifteen)
+
+
+class LoadSampler(threading.Thread):
+    """The machine's 1-minute load average every 5 s while the benchmark runs (ours included)."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.samples: list[float] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            self.samples.append(_loadavg()[0])
+            self._halt.wait(5)
+
+    def stop(self) -> dict:
+        self._halt.set()
+        self.join(timeout=10)
+        s = self.samples or [0.0]
+        return {"min": min(s), "mean": sum(s) / len(s), "max": max(s), "samples": len(s)}
+
+
+def wait_for_quiet(threshold: float, max_wait_s: float) -> tuple[float, float, float]:
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        load = _loadavg()
+        if load[0] < threshold or time.monotonic() >= deadline:
+            return load
+        log(f"load average {load[0]:.2f} >= {threshold}: waiting for a quieter machine "
+            f"({deadline - time.monotonic():.0f}s left)")
+        time.sleep(min(30, max(1, deadline - time.monotonic())))
+
+
+def machine() -> dict:
+    info = {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()}
+    try:
+        with open("/proc/cpuinfo") as fh:
+            info["cpu_model"] = next((l.split(":", 1)[1].strip() for l in fh if l.startswith("model name")), "?")
+        with open("/proc/meminfo") as fh:
+            info["memory_gib"] = round(int(fh.readline().split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    for tool, cmd in (("postgres", ["pgbench", "--version"]), ("wrk", ["wrk", "--version"]),
+                      ("redis", ["redis-server", "--version"])):
+        try:
+            info[tool] = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.splitlines()[0]
+        except (OSError, IndexError, subprocess.SubprocessError):
+            info[tool] = "?"
+    try:
+        info["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                     text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.split("\n")
+        info["git_dirty"] = [l[3:] for l in dirty if l.strip()]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ops/bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="scenarios: " + ", ".join(SCENARIOS) + "; 'all' runs "
+                                            + ", ".join(ALL))
+    parser.add_argument("scenario", help="all, or one or more of " + ", ".join(SCENARIOS) + " (comma-separated)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes (under 2 minutes): a smoke run, not a measurement")
+    parser.add_argument("--out", type=Path, help="directory for results.json, logs and profiles "
+                                                 "(default: a new /tmp/ledger-bench-* directory)")
+    parser.add_argument("--docs", action=argparse.BooleanOptionalAction, default=None,
+                        help="write docs/benchmarks.md's results section and docs/benchmarks*.png "
+                             "(default: on for a full 'all' run)")
+    parser.add_argument("--wait-load", type=float, default=None, metavar="LOAD",
+                        help="first wait (up to --wait-max seconds) until the 1-minute load average is below LOAD")
+    parser.add_argument("--wait-max", type=float, default=900)
+    parser.add_argument("--levels", type=lambda s: tuple(int(x) for x in s.split(",")),
+                        help="ingest concurrency levels (default 1,8,32,64)")
+    parser.add_argument("--workers", dest="worker_counts", type=lambda s: tuple(int(x) for x in s.split(",")),
+                        help="drain worker counts (default 1,2,4)")
+    parser.add_argument("--drain-events", type=int)
+    parser.add_argument("--drain-seconds", dest="drain_s", type=float,
+                        help="measuring window of each drain run (default 12; the backlog stays 20,000)")
+    parser.add_argument("--full-drain", action="store_true", default=None,
+                        help="drain each backlog to the end instead of measuring a window (slow)")
+    parser.add_argument("--history-events", type=int)
+    parser.add_argument("--ingest-seconds", dest="ingest_s", type=float)
+    parser.add_argument("--receiver-workers", type=int, help="gunicorn workers (default 4, as in README)")
+    args = parser.parse_args(argv)
+
+    out = args.out or Path(tempfile.mkdtemp(prefix="ledger-bench-"))
+    out.mkdir(parents=True, exist_ok=True)
+    opts = Options.make(args.quick, out, levels=args.levels, worker_counts=args.worker_counts,
+                        drain_events=args.drain_events, history_events=args.history_events, ingest_s=args.ingest_s,
+                        drain_s=args.drain_s, full_drain=args.full_drain,
+                        receiver_workers=args.receiver_workers)
+    names = list(ALL) if args.scenario == "all" else [n.strip() for n in args.scenario.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown or not names:
+        parser.error(f"unknown scenario(s) {', '.join(unknown) or '(none)'}: choose all or "
+                     + ", ".join(SCENARIOS))
+    write_docs = args.docs if args.docs is not None else (args.scenario == "all" and not args.quick)
+
+    load_before = wait_for_quiet(args.wait_load, args.wait_max) if args.wait_load else _loadavg()
+    meta = {"command": "ops/bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(),
+            "load_before": load_before, "options": {k: (str(v) if isinstance(v, Path) else v)
+                                                     for k, v in vars(opts).items()}}
+    log(f"results and logs in {out}; load average before: {load_before[0]:.2f} {load_before[1]:.2f} "
+        f"{load_before[2]:.2f}")
+    bench = Bench(opts)
+    bench.cleanup.install_signal_handlers()
+    sampler = LoadSampler()
+    sampler.start()
+    started = time.monotonic()
+    summaries: dict[str, str] = {}
+    status = 0
+    try:
+        bench.start()
+        for name in names:
+            t0 = time.monotonic()
+            result = SCENARIOS[name](bench)
+            result["wall_s"] = time.monotonic() - t0
+            bench.results[name] = result
+            text, line = report.summary(name, result)
+            summaries[name] = line
+            print(f"\n== {name} ({result['wall_s']:.0f}s) ==\n{text}\n{line}\n", flush=True)
+    except KeyboardInterrupt:
+        log("interrupted: stopping everything this run started")
+        status = 130
+    finally:
+        bench.finish()
+        bench.cleanup.run()
+        meta["wall_s"] = time.monotonic() - started
+        meta["load_during"] = sampler.stop()
+        meta["load_after"] = _loadavg()
+        bench.results["meta"] = meta
+        bench.results["summaries"] = summaries
+        bench.results["peak_rss_mb"] = bench.peak_rss
+        path = out / "results.json"
+        path.write_text(json.dumps(bench.results, indent=2, default=str))
+    if status == 0:
+        for line in summaries.values():
+            print(line)
+        ld = meta["load_during"]
+        print(f"SUMMARY run wall_s={meta['wall_s']:.0f} load_min={ld['min']:.2f} load_mean={ld['mean']:.2f} "
+              f"load_max={ld['max']:.2f} results={path}")
+        if write_docs:
+            from .docs import write
+
+            for written in write(bench.results, DOCS):
+                log(f"wrote {written}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""docs/benchmarks.md: the block between the results markers is rewritten by every full run;
+the rest of the page (method, profiles, fixes) is written by hand."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from . import report
+
+BEGIN = "<!-- bench:results:begin (written by ops/bench all; do not edit by hand) -->"
+END = "<!-- bench:results:end -->"
+
+
+def write(results: dict[str, Any], docs: Path) -> list[Path]:
+    docs.mkdir(exist_ok=True)
+    written = []
+    if report.plot(results, docs / "benchmarks.png"):
+        written.append(docs / "benchmarks.png")
+    if results.get("burst") and report.plot_burst(results["burst"], docs / "benchmarks-burst.png"):
+        written.append(docs / "benchmarks-burst.png")
+    page = docs / "benchmarks.md"
+    text = page.read_text() if page.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in text or END not in text:
+        text += f"\n{BEGIN}\n{END}\n"
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    page.write_text(head + BEGIN + "\n" + results_block(results) + "\n" + END + tail)
+    written.append(page)
+    return written
+
+
+def _f(value: float, spec: str = ".1f") -> str:
+    return format(value, spec)
+
+
+def results_block(r: dict[str, Any]) -> str:
+    meta = r["meta"]
+    m = meta["machine"]
+    ld = meta["load_during"]
+    lb = meta["load_before"]
+    out = [f"Latest run: `{meta['command']}`, {meta['started']}, {meta['wall_s'] / 60:.1f} minutes.",
+           "",
+           f"Machine: {m.get('cpus')} CPUs ({m.get('cpu_model', '?')}), {m.get('memory_gib', '?')} GiB; "
+           f"{m.get('postgres')}; {m.get('redis', '?').split(' sha=')[0]}; {m.get('wrk', '?').split(' Copyright')[0]}; "
+           f"Python {m.get('python')}; Linux {m.get('kernel')}. Shared with other engineers' test runs: "
+           f"1-minute load average {lb[0]:.2f} before the run, {ld['min']:.2f}-{ld['max']:.2f} (mean "
+           f"{ld['mean']:.2f}) during it, our own processes included.",
+           "",
+           f"Code: commit `{m.get('git', '?')}`"
+           + (f" with uncommitted changes in {', '.join('`' + f + '`' for f in m['git_dirty'])}" if m.get("git_dirty") else "")
+           + ".", ""]
+    if "ingest" in r:
+        ing = r["ingest"]
+        p = ing["payload"]
+        out += ["### ingest", "",
+                f"Signed deliveries, {p['min_kb']:.1f}-{p['max_kb']:.1f} KB (median {p['median_kb']:.1f} KB), "
+                f"{ing['seconds_per_level']:.0f} s per level, receiver = gunicorn with "
+                f"{ing['receiver_workers']} sync workers; load generator: {ing['loadgen']}.", "",
+                report.md_table(ing["levels"], report.INGEST_COLUMNS), ""]
+    if "drain" in r:
+        dr = r["drain"]
+        out += ["### drain", "",
+                f"A backlog of {dr['events']:,} received events ({dr['events'] // 10:,} subscription lifecycles: "
+                + ", ".join(f"{k} {v:,}" for k, v in dr["mix"].items())
+                + ") drained by N `celery worker --concurrency 1` instances; the limit is pgbench running, per "
+                  "transaction, the statements a worker sends for one event.", "",
+                report.md_table(dr["runs"], report.DRAIN_COLUMNS), ""]
+    if "burst" in r:
+        bu = r["burst"]
+        out += ["### burst", "",
+                f"{bu['deliveries']:,} deliveries at c={bu['connections']} (10 back-to-back segments of 10%) while "
+                f"{bu['workers']} workers run.", "",
+                f"* all acknowledged after **{bu['ack_all_s']:.1f} s** ({bu['ack_rps']:.0f}/s); all processed after "
+                f"**{bu['processed_all_s']:.1f} s**",
+                f"* peak oldest-unprocessed age **{bu['peak_oldest_unprocessed_s']:.1f} s**, peak backlog "
+                f"{bu['peak_backlog']:,} events; errors {bu['errors']}",
+                f"* ack latency against backlog: corr(backlog, p50) = {bu['corr_backlog_p50']:+.2f}, corr(backlog, "
+                f"p99) = {bu['corr_backlog_p99']:+.2f}; median p50 {bu['p50_ms_low_backlog']:.1f} ms in the "
+                f"segments with the smaller backlog vs {bu['p50_ms_high_backlog']:.1f} ms with the larger one, p99 "
+                f"{bu['p99_ms_low_backlog']:.1f} vs {bu['p99_ms_high_backlog']:.1f} ms", "",
+                *([f"* control, no worker running, c={bu['connections']}: with no backlog "
+                   f"{bu['control']['no_backlog']['rps']:.0f} req/s, p50 {bu['control']['no_backlog']['p50_ms']:.1f} ms, "
+                   f"p99 {bu['control']['no_backlog']['p99_ms']:.1f} ms; with {bu['control']['backlog']['backlog']:,} "
+                   f"unprocessed events waiting {bu['control']['backlog']['rps']:.0f} req/s, p50 "
+                   f"{bu['control']['backlog']['p50_ms']:.1f} ms, p99 {bu['control']['backlog']['p99_ms']:.1f} ms "
+                   f"(**req/s ratio {bu['control']['rps_ratio']:.2f}**)"] if bu.get("control") else []),
+                f"* deliveries sent again because they never left wrk: {bu.get('resent', 0)}", "",
+                report.md_table(bu["segments"], report.BURST_COLUMNS), "",
+                "![burst](benchmarks-burst.png)", ""]
+    if "replay" in r:
+        rp = r["replay"]
+        out += ["### replay", "",
+                f"`ledgerctl replay --status failed_permanent --yes --rate 1000000` of {rp['events']:,} events: "
+                f"**{rp['events_per_s']:.0f} events/s** ({rp['replayed']:,} replayed in {rp['seconds']:.1f} s). "
+                f"Live ingest at c=8 alongside: {rp['live_rps_alone']:.0f} → {rp['live_rps_during']:.0f} req/s "
+                f"(**{100 * rp['live_slowdown']:.0f}% slower**), p99 {rp['live_p99_ms_alone']:.1f} → "
+                f"{rp['live_p99_ms_during']:.1f} ms.", ""]
+    if "scale" in r:
+        sc = r["scale"]
+        h = sc["history"]
+        rows = []
+        for c, x in sc["ingest_ratio"].items():
+            e = next(l for l in r["_empty"]["ingest"]["levels"] if str(l["concurrency"]) == str(c))
+            f = next(l for l in sc["ingest"]["levels"] if str(l["concurrency"]) == str(c))
+            rows.append({"figure": f"ingest req/s, c={c}", "empty": e["rps"], "full": f["rps"], "ratio": x["rps"],
+                         "pg": x["pgbench"]})
+        for c, x in sc["ingest_ratio"].items():
+            e = next(l for l in r["_empty"]["ingest"]["levels"] if str(l["concurrency"]) == str(c))
+            f = next(l for l in sc["ingest"]["levels"] if str(l["concurrency"]) == str(c))
+            rows.append({"figure": f"ingest p99 ms, c={c} (ratio empty/1M)", "empty": e["p99_ms"],
+                         "full": f["p99_ms"], "ratio": x["p99"], "pg": None})
+        for w, x in sc["drain_ratio"].items():
+            e = next(l for l in r["_empty"]["drain"]["runs"] if str(l["workers"]) == str(w))
+            f = next(l for l in sc["drain"]["runs"] if str(l["workers"]) == str(w))
+            rows.append({"figure": f"drain events/s, {w} worker(s)", "empty": e["events_per_s"],
+                         "full": f["events_per_s"], "ratio": x["events_per_s"], "pg": x["pgbench"]})
+        rows.append({"figure": "sweep query ms, median of 15 (ratio empty/1M)",
+                     "empty": sc["sweep_empty"]["query_ms_median"], "full": sc["sweep"]["query_ms_median"],
+                     "ratio": sc["sweep_ratio"]["query"], "pg": None})
+        rows.append({"figure": "sweep pass ms, 500 re-driven (ratio empty/1M)", "empty": sc["sweep_empty"]["pass_ms"],
+                     "full": sc["sweep"]["pass_ms"], "ratio": sc["sweep_ratio"]["pass"], "pg": None})
+        out += ["### scale", "",
+                f"The same ingest and drain runs and one recovery sweep with {h['events']:,} processed events of "
+                f"history (and their deliveries, attempts, {h['rows']['billing.customers']:,} customers, "
+                f"{h['rows']['billing.subscriptions']:,} subscriptions, {h['rows']['billing.invoices']:,} invoices, "
+                f"{h['rows']['billing.subscription_transitions']:,} transitions, "
+                f"{h['rows']['billing.entitlements']:,} entitlements; database {h['database_mb']:,.0f} MB, written "
+                f"set-based in {h['total_s']:.0f} s). Ratio = 1M-history figure / empty-ledger figure (for times: "
+                f"empty / 1M), so 1.0 means unchanged and the target is ≥ 0.9. The pgbench column is the same "
+                f"ratio for the Postgres limit: how much of any change Postgres itself shows.", "",
+                report.md_table(rows, [("figure", "figure", ""), ("empty", "empty", ".1f"), ("full", "1M history", ".1f"),
+                                       ("ratio", "ratio", ".3f"), ("pg", "pgbench ratio", ".3f")]), "",
+                f"Target (every figure ≥ 0.9 of the empty-ledger figure): **{'met' if sc['target_met'] else 'not met'}** "
+                f"(lowest ratio {sc['min_ratio']:.3f}; throughputs and the sweep query time counted).", "",
+                "The sweep's query with the history (`EXPLAIN (ANALYZE, BUFFERS)`, rolled back):", "",
+                "```", sc["sweep"]["plan"], "```", ""]
+    if "cost" in r:
+        co = r["cost"]
+        rc, wk = co["receiver"], co["worker"]
+        rows = [
+            {"what": "SQL statements (pg_stat_statements)", "receiver": rc["statements_per_event"],
+             "worker": wk["statements_per_event"]},
+            {"what": "round trips to Postgres", "receiver": rc["round_trips_per_event"], "worker": wk["round_trips_per_event"]},
+            {"what": "transactions (pg_stat_database)", "receiver": rc["transactions_per_event"],
+             "worker": wk["transactions_per_event"]},
+            {"what": "Redis commands (INFO commandstats)", "receiver": rc["redis_commands_per_event"],
+             "worker": wk["redis_commands_per_event"]},
+        ]
+        for k, v in rc["cpu_ms_per_event"].items():
+            rows.append({"what": f"CPU ms: {k}", "receiver": v, "worker": None})
+        for k, v in wk["cpu_ms_per_event"].items():
+            rows.append({"what": f"CPU ms: {k}", "receiver": None, "worker": v})
+        rows.append({"what": "CPU ms: Postgres (all its processes)", "receiver": rc["postgres_cpu_ms_per_event"],
+                     "worker": wk["postgres_cpu_ms_per_event"]})
+        out += ["### cost", "",
+                "Per processed event; receiver: the ingest run at c=8; worker: the drain with 1 worker.", "",
+                report.md_table(rows, [("what", "per event", ""), ("receiver", "receiver", ".2f"),
+                                       ("worker", "worker", ".2f")]), "",
+                "Statements per event by name: receiver " + ", ".join(
+                    f"`{k}` {v:.2f}" for k, v in rc["statements_by_name"].items()) + "; worker " + ", ".join(
+                    f"`{k}` {v:.2f}" for k, v in wk["statements_by_name"].items()) + ".", "",
+                "Peak RSS (VmHWM) per process type: " + ", ".join(
+                    f"{k} **{v:.0f} MB**" for k, v in co["peak_rss_mb"].items())
+                + f" — target < 150 MB each: **{'met' if co['rss_target_met'] else 'not met'}**.", ""]
+    out += ["### summary lines", "", "```", *r.get("summaries", {}).values(), "```", "",
+            "![throughput against concurrency and worker count, next to the pgbench limit](benchmarks.png)"]
+    return "\n".join(out)

@@ -1,0 +1,352 @@
+"""Tables, one-line ``key=value`` summaries, py-spy profile digests, the plot, and docs/benchmarks.md."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+
+def table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    """columns: (key, header, format spec)."""
+    cells = [[h for _, h, _ in columns]]
+    for row in rows:
+        cells.append([_fmt(row.get(k), spec) for k, _, spec in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def md_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    out = ["| " + " | ".join(h for _, h, _ in columns) + " |",
+           "|" + "|".join("---:" for _ in columns) + "|"]
+    for row in rows:
+        out.append("| " + " | ".join(_fmt(row.get(k), spec) for k, _, spec in columns) + " |")
+    return "\n".join(out)
+
+
+def _fmt(value, spec: str) -> str:
+    if value is None:
+        return "-"
+    if spec and isinstance(value, (int, float)):
+        return format(value, spec)
+    return str(value)
+
+
+def kv(scenario: str, values: dict[str, Any]) -> str:
+    parts = []
+    for k, v in values.items():
+        if isinstance(v, float):
+            v = f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+        parts.append(f"{k}={v}")
+    return f"SUMMARY {scenario} " + " ".join(parts)
+
+
+INGEST_COLUMNS = [("concurrency", "c", ""), ("rps", "req/s", ".1f"), ("p50_ms", "p50 ms", ".1f"),
+                  ("p95_ms", "p95 ms", ".1f"), ("p99_ms", "p99 ms", ".1f"), ("errors", "errors", ""),
+                  ("wrk_cpu_pct", "wrk CPU %", ".1f"), ("pgbench_tps", "pgbench tps", ".1f"),
+                  ("pgbench_p99_ms", "pgbench p99 ms", ".1f"), ("ingest_ratio", "ingest_ratio", ".3f")]
+DRAIN_COLUMNS = [("workers", "workers", ""), ("events", "events", ""), ("seconds", "seconds", ".1f"),
+                 ("events_per_s", "events/s", ".1f"), ("errors", "errors", ""),
+                 ("pgbench_tps", "pgbench tps", ".1f"), ("pgbench_statements_per_event", "stmts/tx", ".2f"),
+                 ("drain_ratio", "drain_ratio", ".3f")]
+BURST_COLUMNS = [("segment", "segment", ""), ("backlog_before", "backlog before", ""),
+                 ("backlog_after", "backlog after", ""), ("rps", "req/s", ".1f"), ("p50_ms", "p50 ms", ".1f"),
+                 ("p99_ms", "p99 ms", ".1f"), ("errors", "errors", "")]
+
+
+def summary(name: str, result: dict[str, Any]) -> tuple[str, str]:
+    """(table, summary line) for one scenario's result."""
+    if name == "ingest":
+        values = {}
+        for r in result["levels"]:
+            c = r["concurrency"]
+            values.update({f"rps_c{c}": r["rps"], f"p50_ms_c{c}": r["p50_ms"], f"p95_ms_c{c}": r["p95_ms"],
+                           f"p99_ms_c{c}": r["p99_ms"], f"pgbench_tps_c{c}": r["pgbench_tps"],
+                           f"ingest_ratio_c{c}": r["ingest_ratio"]})
+        values["errors"] = sum(r["errors"] for r in result["levels"])
+        values["loadgen"] = "wrk"
+        return table(result["levels"], INGEST_COLUMNS), kv("ingest", values)
+    if name == "drain":
+        values = {}
+        for r in result["runs"]:
+            w = r["workers"]
+            values.update({f"events_per_s_w{w}": r["events_per_s"], f"pgbench_tps_w{w}": r["pgbench_tps"],
+                           f"drain_ratio_w{w}": r["drain_ratio"]})
+        values["errors"] = sum(r["errors"] for r in result["runs"])
+        return table(result["runs"], DRAIN_COLUMNS), kv("drain", values)
+    if name == "burst":
+        text = table(result["segments"], BURST_COLUMNS) + (
+            f"\nack all {result['deliveries']} deliveries: {result['ack_all_s']:.1f}s "
+            f"({result['ack_rps']:.0f}/s) | all processed: {result['processed_all_s']:.1f}s | "
+            f"peak oldest unprocessed: {result['peak_oldest_unprocessed_s']:.1f}s | peak backlog "
+            f"{result['peak_backlog']} | sent again (never left wrk): {result.get('resent', 0)}\nack latency vs backlog: corr(backlog, p50)={result['corr_backlog_p50']:+.2f} "
+            f"corr(backlog, p99)={result['corr_backlog_p99']:+.2f}; p50 at the lower/higher half of the "
+            f"backlog {result['p50_ms_low_backlog']:.1f}/{result['p50_ms_high_backlog']:.1f} ms, p99 "
+            f"{result['p99_ms_low_backlog']:.1f}/{result['p99_ms_high_backlog']:.1f} ms")
+        ctl = result.get("control")
+        if ctl:
+            text += (f"\ncontrol, no worker running: backlog 0 -> {ctl['no_backlog']['rps']:.0f} req/s, p50 "
+                     f"{ctl['no_backlog']['p50_ms']:.1f} ms, p99 {ctl['no_backlog']['p99_ms']:.1f} ms; backlog "
+                     f"{ctl['backlog']['backlog']:,} -> {ctl['backlog']['rps']:.0f} req/s, p50 "
+                     f"{ctl['backlog']['p50_ms']:.1f} ms, p99 {ctl['backlog']['p99_ms']:.1f} ms "
+                     f"(req/s ratio {ctl['rps_ratio']:.2f}, p99 ratio {ctl['p99_ratio']:.2f})")
+        values = {k: result[k] for k in ("deliveries", "ack_all_s", "processed_all_s",
+                                         "peak_oldest_unprocessed_s", "peak_backlog", "corr_backlog_p50",
+                                         "corr_backlog_p99", "p99_ms_low_backlog", "p99_ms_high_backlog",
+                                         "errors", "resent")}
+        if ctl:
+            values.update({"control_rps_backlog0": ctl["no_backlog"]["rps"],
+                           "control_rps_backlog_full": ctl["backlog"]["rps"],
+                           "control_p99_ms_backlog0": ctl["no_backlog"]["p99_ms"],
+                           "control_p99_ms_backlog_full": ctl["backlog"]["p99_ms"],
+                           "control_rps_ratio": ctl["rps_ratio"]})
+        return text, kv("burst", values)
+    if name == "replay":
+        rows = [{"run": "live ingest alone", "rps": result["live_rps_alone"], "p50": result["live_p50_ms_alone"],
+                 "p99": result["live_p99_ms_alone"]},
+                {"run": "live ingest during replay", "rps": result["live_rps_during"],
+                 "p50": result["live_p50_ms_during"], "p99": result["live_p99_ms_during"]}]
+        text = table(rows, [("run", "c=8", ""), ("rps", "req/s", ".1f"), ("p50", "p50 ms", ".1f"),
+                            ("p99", "p99 ms", ".1f")])
+        text += (f"\nreplayed {result['replayed']}/{result['events']} in {result['seconds']:.1f}s = "
+                 f"{result['events_per_s']:.0f} events/s ({result['rate_option']})")
+        values = {k: result[k] for k in ("replayed", "events_per_s", "live_rps_alone", "live_rps_during",
+                                         "live_slowdown", "live_p99_ms_alone", "live_p99_ms_during")}
+        values["errors"] = result["live_errors"] + (result["events"] - result["replayed"])
+        return text, kv("replay", values)
+    if name == "scale":
+        rows = []
+        for c, r in result["ingest_ratio"].items():
+            rows.append({"figure": f"ingest req/s c={c}", "ratio": r["rps"], "pgbench": r["pgbench"]})
+        for c, r in result["ingest_ratio"].items():
+            rows.append({"figure": f"ingest p99 c={c} (empty/1M)", "ratio": r["p99"], "pgbench": None})
+        for w, r in result["drain_ratio"].items():
+            rows.append({"figure": f"drain events/s workers={w}", "ratio": r["events_per_s"],
+                         "pgbench": r["pgbench"]})
+        rows.append({"figure": "sweep query time (empty/1M)", "ratio": result["sweep_ratio"]["query"],
+                     "pgbench": None})
+        rows.append({"figure": "sweep pass time (empty/1M)", "ratio": result["sweep_ratio"]["pass"],
+                     "pgbench": None})
+        h = result["history"]
+        text = table(rows, [("figure", "figure", ""), ("ratio", "1M / empty", ".3f"),
+                            ("pgbench", "pgbench 1M / empty", ".3f")])
+        text += (f"\nhistory: {h['events']:,} processed events, database {h['database_mb']:.0f} MB, written in "
+                 f"{h['total_s']:.0f}s\nsweep query plan with the history:\n" + result["sweep"]["plan"])
+        values = {f"ingest_rps_ratio_c{c}": r["rps"] for c, r in result["ingest_ratio"].items()}
+        values.update({f"drain_ratio_w{w}": r["events_per_s"] for w, r in result["drain_ratio"].items()})
+        values.update({"sweep_query_ratio": result["sweep_ratio"]["query"],
+                       "sweep_pass_ratio": result["sweep_ratio"]["pass"],
+                       "sweep_query_ms_1m": result["sweep"]["query_ms_median"],
+                       "sweep_partial_index": result["sweep"]["uses_partial_index"],
+                       "min_ratio": result["min_ratio"], "target_0_9": "met" if result["target_met"] else "not_met"})
+        return text, kv("scale", values)
+    if name == "cost":
+        rc, wk = result["receiver"], result["worker"]
+        rows = [
+            {"per event": "SQL statements", "receiver": rc["statements_per_event"], "worker": wk["statements_per_event"]},
+            {"per event": "round trips to Postgres", "receiver": rc["round_trips_per_event"],
+             "worker": wk["round_trips_per_event"]},
+            {"per event": "transactions", "receiver": rc["transactions_per_event"], "worker": wk["transactions_per_event"]},
+            {"per event": "Redis commands", "receiver": rc["redis_commands_per_event"],
+             "worker": wk["redis_commands_per_event"]},
+            {"per event": "process CPU ms", "receiver": sum(rc["cpu_ms_per_event"].values()),
+             "worker": sum(wk["cpu_ms_per_event"].values())},
+            {"per event": "Postgres CPU ms", "receiver": rc["postgres_cpu_ms_per_event"],
+             "worker": wk["postgres_cpu_ms_per_event"]},
+        ]
+        text = table(rows, [("per event", "per event", ""), ("receiver", "receiver", ".2f"),
+                            ("worker", "worker", ".2f")])
+        text += "\nstatements per event: receiver " + ", ".join(
+            f"{k} {v:.2f}" for k, v in rc["statements_by_name"].items()) + "\n                      worker " + \
+            ", ".join(f"{k} {v:.2f}" for k, v in wk["statements_by_name"].items())
+        text += "\npeak RSS MB: " + ", ".join(f"{k} {v:.0f}" for k, v in result["peak_rss_mb"].items())
+        values = {"receiver_statements": rc["statements_per_event"], "receiver_transactions": rc["transactions_per_event"],
+                  "receiver_redis_cmds": rc["redis_commands_per_event"],
+                  "receiver_cpu_ms": sum(rc["cpu_ms_per_event"].values()),
+                  "worker_statements": wk["statements_per_event"], "worker_round_trips": wk["round_trips_per_event"],
+                  "worker_transactions": wk["transactions_per_event"],
+                  "worker_redis_cmds": wk["redis_commands_per_event"],
+                  "worker_cpu_ms": sum(wk["cpu_ms_per_event"].values()),
+                  "postgres_cpu_ms_receiver": rc["postgres_cpu_ms_per_event"],
+                  "postgres_cpu_ms_worker": wk["postgres_cpu_ms_per_event"]}
+        for k, v in result["peak_rss_mb"].items():
+            values["peak_rss_mb_" + k.replace(" ", "_")] = v
+        values["rss_under_150mb"] = "met" if result["rss_target_met"] else "not_met"
+        return text, kv("cost", values)
+    if name == "profile":
+        parts = []
+        for who in ("receiver", "worker"):
+            parts.append(f"{who}: top frames by inclusive share of samples")
+            parts.append(table(result[who]["profile"]["inclusive"][:25],
+                               [("share", "incl %", ".1f"), ("frame", "frame", "")]))
+            parts.append(f"{who}: top frames by own share of samples")
+            parts.append(table(result[who]["profile"]["self"][:12], [("share", "self %", ".1f"), ("frame", "frame", "")]))
+        return "\n".join(parts), kv("profile", {"receiver_samples": result["receiver"]["profile"]["samples"],
+                                                "worker_samples": result["worker"]["profile"]["samples"],
+                                                "receiver_rps": result["receiver"]["rps"]})
+    raise KeyError(name)
+
+
+# -- py-spy --------------------------------------------------------------------------------------
+
+_FRAME = re.compile(r"^(?P<func>[^ ]+) \((?P<file>[^:)]+)(?::\d+)?\)$")
+
+
+def _frame(raw: str) -> str:
+    m = _FRAME.match(raw.strip())
+    if not m:
+        return raw.strip()
+    path = m["file"]
+    for marker in ("site-packages/", "/work/main/", "lib/python3.11/"):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+    return f"{m['func']} ({path})"
+
+
+def collapse(paths: list[Path] | Path) -> dict[str, Any]:
+    """Inclusive and self shares of a py-spy raw (collapsed) profile, frames without line numbers.
+
+    Idle samples (waiting in accept/epoll/select, and a celery parent waiting on its
+    pool) are dropped, so the shares are of time spent working (or waiting on a
+    Postgres or Redis answer, which shows as socket reads).
+    """
+    inclusive: Counter = Counter()
+    own: Counter = Counter()
+    total = 0
+    idle = ("select (", "poll (", "epoll", "accept (", "wait (selectors", "sleep (", "_wait_for_tstate_lock",
+            "readinto (socket", "get (queue", "wait (threading")
+    lines = []
+    for path in ([paths] if isinstance(paths, Path) else paths):
+        try:
+            lines += path.read_text(errors="replace").splitlines()
+        except OSError:
+            pass
+    for line in lines:
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit() or not stack:
+            continue
+        frames = [f for f in stack.split(";") if f]
+        leaf = frames[-1] if frames else ""
+        if any(marker in leaf for marker in idle) and not any("webhooks.py" in f or "processor.py" in f
+                                                              for f in frames):
+            continue
+        n = int(count)
+        total += n
+        seen = set()
+        for f in frames:
+            name = _frame(f)
+            if name not in seen:
+                inclusive[name] += n
+                seen.add(name)
+        own[_frame(leaf)] += n
+    def top(counter: Counter) -> list[dict[str, Any]]:
+        return [{"frame": k, "share": 100.0 * v / total} for k, v in counter.most_common(60)] if total else []
+    return {"samples": total, "inclusive": top(inclusive), "self": top(own)}
+
+
+# -- plot and docs ---------------------------------------------------------------------------------
+
+def plot(results: dict[str, Any], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    ingest = results.get("ingest")
+    drain = results.get("drain")
+    scale = results.get("scale")
+    panels = [p for p in (ingest, drain) if p]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.4))
+    axes = axes if len(panels) > 1 else [axes]
+    i = 0
+    if ingest:
+        ax = axes[i]
+        i += 1
+        cs = [r["concurrency"] for r in ingest["levels"]]
+        ax.plot(cs, [r["pgbench_tps"] for r in ingest["levels"]], "s--", color="tab:gray",
+                label="pgbench: same INSERT, empty ledger")
+        ax.plot(cs, [r["rps"] for r in ingest["levels"]], "o-", color="tab:blue", label="receiver, empty ledger")
+        if scale:
+            ax.plot(cs, [r["pgbench_tps"] for r in scale["ingest"]["levels"]], "s:", color="tab:gray", alpha=0.6,
+                    label="pgbench, 1M history")
+            ax.plot(cs, [r["rps"] for r in scale["ingest"]["levels"]], "o:", color="tab:cyan",
+                    label="receiver, 1M history")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(cs, [str(c) for c in cs])
+        ax.set_xlabel("concurrent deliveries (connections)")
+        ax.set_ylabel("acknowledged deliveries / s")
+        ax.set_title("Ingest vs the Postgres limit")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if drain:
+        ax = axes[i]
+        ws = [r["workers"] for r in drain["runs"]]
+        ax.plot(ws, [r["pgbench_tps"] for r in drain["runs"]], "s--", color="tab:gray",
+                label="pgbench: same SQL per event, empty ledger")
+        ax.plot(ws, [r["events_per_s"] for r in drain["runs"]], "o-", color="tab:orange",
+                label="workers, empty ledger")
+        if scale:
+            ax.plot(ws, [r["pgbench_tps"] for r in scale["drain"]["runs"]], "s:", color="tab:gray", alpha=0.6,
+                    label="pgbench, 1M history")
+            ax.plot(ws, [r["events_per_s"] for r in scale["drain"]["runs"]], "o:", color="tab:red",
+                    label="workers, 1M history")
+        ax.set_xticks(ws, [str(w) for w in ws])
+        ax.set_xlabel("worker processes (pgbench clients)")
+        ax.set_ylabel("processed events / s")
+        ax.set_title("Drain of a 20,000-event backlog vs the Postgres limit"
+                     if drain["events"] == 20000 else f"Drain of a {drain['events']:,}-event backlog")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_burst(burst: dict[str, Any], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    timeline = burst.get("timeline") or []
+    if not timeline:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12.4, 4.2))
+    ts = [t for t, _, _ in timeline]
+    ax1.plot(ts, [d for _, d, _ in timeline], color="tab:red", label="backlog (unprocessed events)")
+    ax1b = ax1.twinx()
+    ax1b.plot(ts, [a for _, _, a in timeline], color="tab:purple", alpha=0.6, label="oldest unprocessed age (s)")
+    ax1.axvline(burst["ack_all_s"], color="tab:blue", ls="--", label="all acknowledged")
+    ax1.set_xlabel("seconds since the burst started")
+    ax1.set_ylabel("events")
+    ax1b.set_ylabel("seconds")
+    ax1.set_title(f"Burst of {burst['deliveries']:,} deliveries, 2 workers")
+    lines = ax1.get_legend_handles_labels()
+    lines2 = ax1b.get_legend_handles_labels()
+    ax1.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="upper right")
+    ax1.grid(alpha=0.3)
+    segs = burst["segments"]
+    mid = [(s["backlog_before"] + s["backlog_after"]) / 2 for s in segs]
+    ax2.plot(mid, [s["p50_ms"] for s in segs], "o-", label="ack p50")
+    ax2.plot(mid, [s["p99_ms"] for s in segs], "s-", label="ack p99")
+    ax2.set_xlabel("backlog while the segment was sent (events)")
+    ax2.set_ylabel("ack latency (ms)")
+    ax2.set_ylim(bottom=0)
+    ax2.set_title("Ack latency per 10% of the burst vs how far behind the workers are")
+    ax2.grid(alpha=0.3)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

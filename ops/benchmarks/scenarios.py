@@ -1,0 +1,850 @@
+"""The scenarios: ingest, drain, burst, replay, scale, cost (and profile).
+
+Each scenario returns a JSON-able dict; ``report`` turns those into tables and
+one-line summaries. Every throughput is measured next to pgbench running the
+same statements against the same database, in the same run.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import statistics
+import subprocess
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import psycopg
+
+from ledger.config import Settings
+from ledger.queries import SQL
+
+from . import payloads, report
+from .loadgen import Wrk
+from .payloads import SignedDelivery
+from .pg import UNFINISHED, BenchDatabase, run_pgbench, url_parts
+from .stack import (Cleanup, PrivatePostgres, PrivateRedis, ProcessWatch, Receiver, WorkerFleet, base_env,
+                    venv_tool)
+from .workload import (DrainScript, EventSource, drop_queue, history_sql, ingest_scripts, load_received,
+                       push_wakeups, redis_commands)
+
+SECRET = "whsec_bench_0123456789abcdefghij"
+QUEUE = "bench-events"
+# Replayed requests are signed before the run starts: a tolerance of a day keeps them valid.
+# Verification costs the same whatever the timestamp's age (one HMAC-SHA256 either way).
+SIGNATURE_TOLERANCE_S = 86400
+
+
+@dataclass
+class Options:
+    quick: bool = False
+    levels: tuple[int, ...] = (1, 8, 32, 64)
+    worker_counts: tuple[int, ...] = (1, 2, 4)
+    ingest_s: float = 6.0
+    drain_events: int = 20_000
+    drain_s: float = 12.0
+    drain_warmup_s: float = 2.0
+    drain_pgbench_s: float = 6.0
+    full_drain: bool = False
+    burst_events: int = 10_000
+    burst_connections: int = 32
+    replay_events: int = 10_000
+    history_events: int = 1_000_000
+    receiver_workers: int = 4
+    out_dir: Path = field(default_factory=lambda: Path("/tmp"))
+
+    @classmethod
+    def make(cls, quick: bool, out_dir: Path, **overrides) -> "Options":
+        if quick:
+            base = cls(quick=True, levels=(1, 8, 32, 64), worker_counts=(1, 2, 4), ingest_s=1.5,
+                       drain_events=4_000, drain_s=4.0, drain_warmup_s=1.0, drain_pgbench_s=2.0,
+                       burst_events=1_000, replay_events=1_000, history_events=50_000, out_dir=out_dir)
+        else:
+            base = cls(out_dir=out_dir)
+        for key, value in overrides.items():
+            if value is not None:
+                setattr(base, key, value)
+        return base
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+class Bench:
+    """The run: private servers, the receiver, worker fleets, and the results so far."""
+
+    def __init__(self, opts: Options):
+        self.opts = opts
+        self.work = opts.out_dir
+        self.cleanup = Cleanup()
+        self.results: dict[str, Any] = {}
+        self.peak_rss: dict[str, float] = {}
+        self._receiver: Receiver | None = None
+        self._source: EventSource | None = None
+        self._templates = None
+        self.label = "empty"
+
+    # -- set-up ----------------------------------------------------------------------------
+    def start(self) -> "Bench":
+        log("starting a private PostgreSQL and Redis")
+        self.pg = PrivatePostgres()
+        self.cleanup.add("private postgres", self.pg.stop)
+        self.pg.start()
+        self.redis = PrivateRedis()
+        self.cleanup.add("private redis", self.redis.stop)
+        self.redis.start(self.work)
+        self.db = BenchDatabase(self.pg.url).create()
+        self.cleanup.add("monitor connection", self.db.close)
+        self.settings = Settings(database_url=self.db.url, broker_url=self.redis.url, queue_name=QUEUE,
+                                 webhook_secrets=(SECRET,))
+        self.env = base_env(self.db.url, self.redis.url, SECRET, QUEUE,
+                            STRIPE_SIGNATURE_TOLERANCE_S=str(SIGNATURE_TOLERANCE_S))
+        self.wrk = Wrk(self.work)
+        self.pg_parts = url_parts(self.db.url)
+        return self
+
+    def receiver(self) -> Receiver:
+        if self._receiver is None:
+            log(f"starting the receiver (gunicorn, {self.opts.receiver_workers} sync workers)")
+            self._receiver = Receiver(self.env, self.work, workers=self.opts.receiver_workers)
+            self.cleanup.add("receiver", self._receiver.stop)
+            self._receiver.start()
+        return self._receiver
+
+    @property
+    def source(self) -> EventSource:
+        if self._source is None:
+            count = max(self.opts.drain_events, self.opts.burst_events, self.opts.replay_events)
+            log(f"generating {count // 10} subscription lifecycles ({count} events)")
+            self._source = EventSource(payloads.lifecycles(count // 10))
+        return self._source
+
+    @property
+    def templates(self):
+        if self._templates is None:
+            self._templates = payloads.ingest_templates(lifecycle_count=4)
+        return self._templates
+
+    @contextlib.contextmanager
+    def fleet(self, count: int, label: str = "w"):
+        fleet = WorkerFleet(self.env, self.work, count=count, queue=QUEUE, label=label)
+        self.cleanup.add(f"{count} workers", fleet.stop)
+        try:
+            fleet.start()
+            yield fleet
+        finally:
+            self.note_rss(ProcessWatch(fleet.pids).peak_rss_mb())
+            fleet.stop()
+            self.cleanup.remove(fleet.stop)
+
+    def note_rss(self, peaks: dict[str, float]) -> None:
+        for name, mb in peaks.items():
+            self.peak_rss[name] = max(self.peak_rss.get(name, 0.0), mb)
+
+    def finish(self) -> None:
+        if self._receiver is not None:
+            self.note_rss(ProcessWatch(self._receiver.pids).peak_rss_mb())
+
+    # -- state -----------------------------------------------------------------------------
+    def clear(self) -> None:
+        """Empty ledger: truncate everything. With history: delete what is not history (unfinished rows)."""
+        drop_queue(self.redis.url, QUEUE)
+        if self.label == "empty":
+            self.db.reset()
+        else:
+            self.db.q(f"DELETE FROM ledger.events WHERE status IN {UNFINISHED}")
+            self.db.vacuum("ledger.events", "ledger.deliveries")
+
+    def deliveries(self, templates, count: int, seed: int) -> list[SignedDelivery]:
+        return payloads.signed_deliveries(templates, count, SECRET, seed=seed)
+
+    def meter(self, groups: Callable[[], dict[str, list[int]]]) -> "Meter":
+        return Meter(self, groups)
+
+
+class Meter:
+    """Per-event cost over a phase: statements, transactions, Redis commands, CPU.
+
+    Postgres 15 backends publish their transaction counters lazily (up to 10 s after
+    going idle), so the caller makes the measured backends exit before ``begin`` and
+    before ``finish`` (stops the workers, or ends the receiver's connections; its pool
+    opens new ones); backends flush their counters when they exit. SQL-side figures
+    are per call of the ``anchor`` statement (one per processed event / delivery),
+    CPU per event counted by ``progress`` over the CPU window.
+    """
+
+    def __init__(self, bench: Bench, groups: Callable[[], dict[str, list[int]]]):
+        self.b = bench
+        self.watch = ProcessWatch(groups)
+
+    def begin_sql(self) -> None:
+        db = self.b.db
+        db.reset_statements()
+        self.x0 = db.xact_commits()
+        self.m0 = db.monitor_statements
+        self.r0 = redis_commands(self.b.redis.url)
+
+    def begin_cpu(self, progress: Callable[[], int]) -> None:
+        self.pg0 = self.b.pg.cpu_s()
+        self.watch.begin()
+        self.t0 = time.monotonic()
+        self.p0 = progress()
+
+    def end_cpu(self, progress: Callable[[], int]) -> None:
+        self.cpu = self.watch.cpu_s()
+        self.pg_cpu = self.b.pg.cpu_s() - self.pg0
+        self.elapsed = time.monotonic() - self.t0
+        self.cpu_events = progress() - self.p0
+
+    def finish(self, anchor: str) -> dict[str, Any]:
+        db = self.b.db
+        statements = db.statements()
+        r1 = redis_commands(self.b.redis.url)
+        monitor = db.monitor_statements - self.m0
+        xacts = db.xact_commits() - self.x0 - monitor - 1  # minus the benchmark's own reads
+        redis = {k: v - self.r0.get(k, 0) for k, v in r1.items() if k != "info" and v - self.r0.get(k, 0)}
+        calls = sum(s["calls"] for s in statements)
+        events = sum(s["calls"] for s in statements if s["name"] == anchor) or max(self.cpu_events, 1)
+        by_name: dict[str, float] = {}
+        for s in statements:
+            by_name[s["name"]] = by_name.get(s["name"], 0) + s["calls"] / events
+        n = max(self.cpu_events, 1)
+        return {"events": events, "cpu_events": self.cpu_events, "elapsed_s": self.elapsed,
+                "statements_per_event": calls / events, "round_trips_per_event": calls / events,
+                "transactions_per_event": xacts / events,
+                "statements_by_name": dict(sorted(by_name.items(), key=lambda kv: -kv[1])),
+                "redis_commands_per_event": sum(redis.values()) / events,
+                "redis_by_command": {k: v / events for k, v in sorted(redis.items(), key=lambda kv: -kv[1])},
+                "cpu_ms_per_event": {k: 1000 * v / n for k, v in self.cpu.items()},
+                "postgres_cpu_ms_per_event": 1000 * self.pg_cpu / n,
+                "cpu_s": self.cpu, "postgres_cpu_s": self.pg_cpu}
+
+
+def end_backends(b: Bench, application_name: str) -> None:
+    """Make a process's Postgres backends exit (they publish their counters as they do)."""
+    b.db.q("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s"
+           " AND datname = current_database()", (application_name,))
+    deadline = time.monotonic() + 10
+    while b.db.one("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (application_name,)):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+
+
+# -- ingest -------------------------------------------------------------------------------------
+
+def ingest(b: Bench) -> dict[str, Any]:
+    opts = b.opts
+    rc = b.receiver()
+    b.clear()
+    templates = b.templates
+    log(f"ingest [{b.label}]: {len(templates)} payload templates "
+        f"({payloads.size_stats(payloads.body(t) for t in templates)})")
+    b.wrk.run(rc.port, b.deliveries(templates, 400, seed=99), 8, max_duration_s=30)  # warm-up, not measured
+    sample = b.deliveries(templates, 8, seed=7)
+    scripts, defines = ingest_scripts(b.work, sample)
+    rows = []
+    estimate = 500.0
+    cost = None
+    for c in opts.levels:
+        count = int(min(60_000, max(1_500, estimate * opts.ingest_s * 1.8)))
+        deliveries = b.deliveries(templates, count, seed=c)
+        before = b.db.unfinished()
+        metered = c == 8 and "cost_receiver" not in b.results.get("_meters", {}).get(b.label, {})
+        meter = b.meter(rc.pids) if metered else None
+        if meter:
+            end_backends(b, "ingest")
+            meter.begin_sql()
+            meter.begin_cpu(b.db.unfinished)
+        r = b.wrk.run(rc.port, deliveries, c, max_duration_s=opts.ingest_s)
+        if meter:
+            meter.end_cpu(b.db.unfinished)
+            time.sleep(0.5)  # the last answers in flight
+            end_backends(b, "ingest")
+            cost = meter.finish("event_record_delivery")
+            b.results.setdefault("_meters", {}).setdefault(b.label, {})["cost_receiver"] = cost
+        recorded = b.db.unfinished() - before
+        drop_queue(b.redis.url, QUEUE)
+        estimate = max(estimate, r.rps)
+        pgb = run_pgbench(b.pg_parts, scripts, c, seconds=opts.ingest_s, defines=defines, log_dir=b.work)
+        row = {"concurrency": c, "requests": r.requests, "recorded": recorded, "rps": r.rps,
+               "p50_ms": r.p50_ms, "p95_ms": r.p95_ms, "p99_ms": r.p99_ms, "max_ms": r.max_ms,
+               "errors": r.errors + max(0, r.requests - recorded), "wrk_cpu_pct": r.wrk_cpu_pct,
+               "pgbench_tps": pgb.tps, "pgbench_p50_ms": pgb.p50_ms, "pgbench_p99_ms": pgb.p99_ms,
+               "pgbench_cpu_pct": 100 * pgb.cpu_s / pgb.duration_s if pgb.duration_s else 0.0,
+               "ingest_ratio": r.rps / pgb.tps if pgb.tps else 0.0}
+        rows.append(row)
+        log(f"  c={c:<3} receiver {r.rps:8.1f} req/s p50 {r.p50_ms:6.1f} ms p99 {r.p99_ms:7.1f} ms "
+            f"errors {row['errors']} | pgbench {pgb.tps:8.1f} tps | ratio {row['ingest_ratio']:.3f}")
+    b.clear()
+    return {"levels": rows, "payload": payloads.size_stats(d.body for d in sample + b.deliveries(templates, 500, 3)),
+            "receiver_workers": opts.receiver_workers, "seconds_per_level": opts.ingest_s,
+            "loadgen": "wrk 4 (1 thread, pre-signed requests replayed by a Lua script)"}
+
+
+# -- drain --------------------------------------------------------------------------------------
+
+def _wait_drained(b: Bench, expected: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while b.db.unfinished() > 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"backlog not drained within {timeout_s:.0f}s ({b.db.unfinished()} left)")
+        time.sleep(0.25)
+
+
+def _run_stats(b: Bench, ids: list[str]) -> dict[str, Any]:
+    row = b.db.q(
+        "SELECT count(*) FILTER (WHERE e.status = 'processed'), count(*) FILTER (WHERE e.status <> 'processed'),"
+        "       extract(epoch FROM min(a.started_at)), extract(epoch FROM max(e.processed_at)),"
+        "       extract(epoch FROM max(e.processed_at - e.received_at)), extract(epoch FROM min(e.received_at))"
+        "  FROM ledger.events e LEFT JOIN ledger.attempts a ON a.event_id = e.id AND a.attempt = 1"
+        " WHERE e.id = ANY(%s)", (ids,))[0]
+    processed, other, first, last, oldest, first_received = row
+    return {"processed": processed, "not_processed": other, "first_claim": float(first or 0),
+            "last_processed": float(last or 0), "max_wait_s": float(oldest or 0),
+            "first_received": float(first_received or 0)}
+
+
+def drain(b: Bench) -> dict[str, Any]:
+    """Workers on a 20,000-event backlog, then pgbench on a fresh copy of it, per worker count.
+
+    The rate is taken over a window (``drain_s``) once every worker is up, with the
+    whole backlog in place; ``--full-drain`` drains it to the end instead.
+    """
+    opts = b.opts
+    n_events = opts.drain_events
+    runs = []
+    for workers in opts.worker_counts:
+        b.clear()
+        events = b.source.backlog(n_events)
+        ids = [e.id for e in events]
+        load_received(b.db.url, events)
+        push_wakeups(b.redis.url, QUEUE, ids)
+        log(f"drain [{b.label}]: {n_events:,} received events, {workers} worker process(es)")
+        done = lambda: n_events - b.db.unfinished()  # noqa: E731
+        metered = workers == 1 and "cost_worker" not in b.results.get("_meters", {}).get(b.label, {})
+        meter = None
+        if metered:
+            holder: dict = {}
+            meter = Meter(b, lambda: holder["fleet"].pids())
+            meter.begin_sql()  # before any worker exists: its counters start from zero
+        with b.fleet(workers) as fleet:
+            if meter:
+                holder["fleet"] = fleet
+            time.sleep(opts.drain_warmup_s)
+            if meter:
+                meter.begin_cpu(done)
+            p0, t0 = done(), time.monotonic()
+            if opts.full_drain:
+                _wait_drained(b, n_events, timeout_s=max(600, n_events / 5))
+            else:
+                time.sleep(opts.drain_s)
+            p1, t1 = done(), time.monotonic()
+            if meter:
+                meter.end_cpu(done)
+        if meter:  # the workers have exited: their counters are published
+            b.results.setdefault("_meters", {}).setdefault(b.label, {})["cost_worker"] = \
+                meter.finish("event_finish_if_lease_held")
+        failed = b.db.one("SELECT count(*) FROM ledger.events WHERE id = ANY(%s) AND status LIKE 'failed%%'", (ids,))
+        eps = (p1 - p0) / (t1 - t0)
+
+        # The limit: pgbench sending the same statements, for a fresh copy of the backlog.
+        b.clear()
+        limit_events = b.source.backlog(n_events)
+        load_received(b.db.url, limit_events)
+        script = DrainScript(limit_events)
+        script.load(b.db.url)
+        path = b.work / "drain.sql"
+        path.write_text(script.text())
+        defines = {"i": "0", "nclients": str(workers), "lease_s": "120"}
+        if opts.full_drain:
+            pgb = run_pgbench(b.pg_parts, [path], workers, transactions_per_client=n_events // workers,
+                              defines=defines, log_dir=b.work)
+        else:
+            pgb = run_pgbench(b.pg_parts, [path], workers, seconds=opts.drain_pgbench_s, defines=defines,
+                              log_dir=b.work)
+        limit_done = b.db.one("SELECT count(*) FROM ledger.events WHERE id = ANY(%s) AND status = 'processed'",
+                              ([e.id for e in limit_events],))
+        run = {"workers": workers, "events": n_events, "processed": p1 - p0, "errors": failed,
+               "seconds": t1 - t0, "events_per_s": eps, "pgbench_tps": pgb.tps, "pgbench_processed": limit_done,
+               "pgbench_failed": pgb.failed, "pgbench_statements_per_event": script.statements_per_event(),
+               "drain_ratio": eps / pgb.tps if pgb.tps else 0.0}
+        runs.append(run)
+        log(f"  workers={workers} {eps:8.1f} events/s ({p1 - p0} in {t1 - t0:.1f}s) errors {failed} | pgbench "
+            f"{pgb.tps:8.1f} tps ({limit_done} processed) | ratio {run['drain_ratio']:.3f}")
+    b.clear()
+    mix: dict[str, int] = {}
+    for e in b.source.events[:n_events]:
+        mix[e["type"]] = mix.get(e["type"], 0) + 1
+    return {"runs": runs, "events": n_events, "mix": mix, "full_drain": opts.full_drain,
+            "window_s": opts.drain_s, "pgbench_window_s": opts.drain_pgbench_s,
+            "payload": payloads.size_stats(b.source.bodies[:n_events])}
+
+
+# -- burst --------------------------------------------------------------------------------------
+
+class _Poller(threading.Thread):
+    """Samples backlog depth and oldest-unprocessed age on a connection of its own."""
+
+    def __init__(self, url: str, interval_s: float = 0.25):
+        super().__init__(daemon=True)
+        self.url = url
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, int, float]] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            while not self._halt.is_set():
+                depth, age = conn.execute(
+                    f"SELECT count(*), coalesce(extract(epoch FROM clock_timestamp() - min(received_at)), 0)"
+                    f"  FROM ledger.events WHERE status IN {UNFINISHED}").fetchone()
+                self.samples.append((time.time(), depth, float(age)))
+                self._halt.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=10)
+
+
+def _corr(xs: list[float], ys: list[float]) -> float:
+    if len(xs) < 3 or statistics.pstdev(xs) == 0 or statistics.pstdev(ys) == 0:
+        return 0.0
+    return statistics.correlation(xs, ys)
+
+
+def _ensure_recorded(b: Bench, rc: Receiver, deliveries: list[SignedDelivery], *, settle_s: float = 1.5) -> int:
+    """Wait until every delivery has its ledger row; send again those that never arrived. Returns how many."""
+    ids = [d.event_id for d in deliveries]
+    resent = 0
+    for _ in range(5):
+        deadline = time.monotonic() + settle_s
+        while True:
+            present = {r[0] for r in b.db.q("SELECT id FROM ledger.events WHERE id = ANY(%s)", (ids,))}
+            missing = [d for d in deliveries if d.event_id not in present]
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if not missing:
+            return resent
+        resent += len(missing)
+        b.wrk.run(rc.port, missing, min(8, len(missing)), max_duration_s=60)
+    raise RuntimeError(f"{len(missing)} burst deliveries never recorded")
+
+
+def _ack_vs_backlog(b: Bench, rc: Receiver) -> dict[str, Any]:
+    """The control: the same ingest (c=32, no worker running) with no backlog, then with a
+    backlog as large as the drain's (rows and wake-ups in place)."""
+    seconds = max(2.0, b.opts.ingest_s / 2)
+    out = {}
+    for name, backlog in (("no_backlog", 0), ("backlog", b.opts.drain_events)):
+        b.clear()
+        if backlog:
+            events = b.source.backlog(backlog)
+            load_received(b.db.url, events)
+            push_wakeups(b.redis.url, QUEUE, [e.id for e in events])
+        r = b.wrk.run(rc.port, b.deliveries(b.templates, int(600 * seconds), seed=40 + backlog % 7),
+                      b.opts.burst_connections, max_duration_s=seconds)
+        out[name] = {"backlog": backlog, "rps": r.rps, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "errors": r.errors}
+    out["rps_ratio"] = out["backlog"]["rps"] / out["no_backlog"]["rps"] if out["no_backlog"]["rps"] else 0.0
+    out["p99_ratio"] = out["backlog"]["p99_ms"] / out["no_backlog"]["p99_ms"] if out["no_backlog"]["p99_ms"] else 0.0
+    log(f"  control (no workers, c={b.opts.burst_connections}): backlog 0 -> {out['no_backlog']['rps']:.0f} req/s "
+        f"p99 {out['no_backlog']['p99_ms']:.0f} ms; backlog {b.opts.drain_events:,} -> {out['backlog']['rps']:.0f} "
+        f"req/s p99 {out['backlog']['p99_ms']:.0f} ms")
+    b.clear()
+    return out
+
+
+def burst(b: Bench) -> dict[str, Any]:
+    opts = b.opts
+    rc = b.receiver()
+    b.clear()
+    events = b.source.backlog(opts.burst_events)
+    now = int(time.time())
+    deliveries = [SignedDelivery(e.id, e.body, payloads.sign(e.body, SECRET, timestamp=now)) for e in events]
+    segments = 10
+    size = len(deliveries) // segments
+    log(f"burst: {len(deliveries)} deliveries at c={opts.burst_connections} while 2 workers run")
+    with b.fleet(2, label="burst") as fleet:
+        poller = _Poller(b.db.monitor_url)
+        poller.start()
+        try:
+            started = time.time()
+            rows = []
+            for k in range(segments):
+                chunk = deliveries[k * size:(k + 1) * size if k < segments - 1 else len(deliveries)]
+                depth_before = b.db.unfinished()
+                r = b.wrk.run(rc.port, chunk, opts.burst_connections, max_duration_s=600)
+                depth_after = b.db.unfinished()
+                rows.append({"segment": k + 1, "backlog_before": depth_before, "backlog_after": depth_after,
+                             "rps": r.rps, "p50_ms": r.p50_ms, "p95_ms": r.p95_ms, "p99_ms": r.p99_ms,
+                             "errors": r.errors, "requests": r.requests})
+            # Acknowledged means committed (the receiver answers only after COMMIT): wait for every
+            # row. The last requests of a segment may still be in flight when wrk stops timing, and
+            # wrk occasionally drops a request its Lua script handed it (it asks for another when
+            # a first write would block): those are sent again, counted in resent.
+            resent = _ensure_recorded(b, rc, deliveries)
+            acked = time.time()
+            _wait_drained(b, len(events), timeout_s=max(300, len(events) / 10))
+        finally:
+            poller.stop()
+    stats = _run_stats(b, [e.id for e in events])
+    control = _ack_vs_backlog(b, rc)
+    depth_mid = [(r["backlog_before"] + r["backlog_after"]) / 2 for r in rows]
+    p50s, p99s, rps = [r["p50_ms"] for r in rows], [r["p99_ms"] for r in rows], [r["rps"] for r in rows]
+    low = [r for r in rows if (r["backlog_before"] + r["backlog_after"]) / 2 <= statistics.median(depth_mid)]
+    high = [r for r in rows if r not in low]
+    result = {
+        "deliveries": len(deliveries), "connections": opts.burst_connections, "workers": 2,
+        "segments": rows,
+        "ack_all_s": acked - started,
+        "processed_all_s": stats["last_processed"] - started,
+        "ack_rps": len(deliveries) / (acked - started),
+        "processed_rps": stats["processed"] / (stats["last_processed"] - started) if stats["last_processed"] else 0,
+        "peak_oldest_unprocessed_s": stats["max_wait_s"],
+        "peak_oldest_unprocessed_sampled_s": max((s[2] for s in poller.samples), default=0.0),
+        "peak_backlog": max((s[1] for s in poller.samples), default=0),
+        "errors": sum(r["errors"] for r in rows) + stats["not_processed"], "resent": resent,
+        "corr_backlog_p50": _corr(depth_mid, p50s), "corr_backlog_p99": _corr(depth_mid, p99s),
+        "corr_backlog_rps": _corr(depth_mid, rps),
+        "p50_ms_low_backlog": statistics.median(r["p50_ms"] for r in low) if low else 0,
+        "p50_ms_high_backlog": statistics.median(r["p50_ms"] for r in high) if high else 0,
+        "p99_ms_low_backlog": statistics.median(r["p99_ms"] for r in low) if low else 0,
+        "p99_ms_high_backlog": statistics.median(r["p99_ms"] for r in high) if high else 0,
+        "timeline": [(t - started, depth, age) for t, depth, age in poller.samples],
+        "control": control,
+    }
+    log(f"  acked all in {result['ack_all_s']:.1f}s, processed all in {result['processed_all_s']:.1f}s, "
+        f"peak oldest unprocessed {result['peak_oldest_unprocessed_s']:.1f}s, peak backlog {result['peak_backlog']}")
+    b.clear()
+    return result
+
+
+# -- replay -------------------------------------------------------------------------------------
+
+def replay(b: Bench) -> dict[str, Any]:
+    opts = b.opts
+    rc = b.receiver()
+    b.clear()
+    events = b.source.backlog(opts.replay_events)
+    load_received(b.db.url, events, status_sql=(
+        "UPDATE ledger.events SET status = 'failed_permanent', failure_reason = 'unsupported_type',"
+        " last_error = 'no handler (benchmark)', attempts = 1, updated_at = now() WHERE id = ANY(%(ids)s)"))
+    b.db.vacuum("ledger.events")
+    templates = b.templates
+    b.wrk.run(rc.port, b.deliveries(templates, 300, seed=98), 8, max_duration_s=30)  # warm-up
+    log(f"replay: live ingest alone (c=8, {opts.ingest_s:.0f}s)")
+    base = b.wrk.run(rc.port, b.deliveries(templates, 40_000 if not opts.quick else 8_000, seed=21), 8,
+                     max_duration_s=opts.ingest_s)
+    drop_queue(b.redis.url, QUEUE)
+    log(f"replay: ledgerctl replay of {len(events)} failed_permanent events, live ingest (c=8) alongside")
+    cmd = [venv_tool("ledgerctl"), "replay", "--status", "failed_permanent", "--yes", "--rate", "1000000",
+           "--why", "benchmark", "--json"]
+    with open(b.work / "replay.log", "wb") as out:
+        proc = subprocess.Popen(cmd, env=b.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    b.cleanup.add("ledgerctl replay", proc.kill)
+    try:
+        deadline = time.monotonic() + 120
+        while b.db.one("SELECT count(*) FROM ledger.audit") == 0:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ledgerctl replay did not start replaying (exit {proc.poll()}); "
+                                   f"see {b.work / 'replay.log'}")
+            time.sleep(0.02)
+        live = b.wrk.run(rc.port, b.deliveries(templates, 60_000 if not opts.quick else 10_000, seed=22), 8,
+                         max_duration_s=600, stop_when=lambda: proc.poll() is not None, poll_s=0.05)
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        b.cleanup.remove(proc.kill)
+    first, last, replayed = b.db.q("SELECT extract(epoch FROM min(at)), extract(epoch FROM max(at)), count(*)"
+                                   " FROM ledger.audit")[0]
+    seconds = float(last - first) if replayed > 1 else 0.0
+    result = {"events": len(events), "replayed": replayed, "exit_code": proc.returncode,
+              "seconds": seconds, "events_per_s": replayed / seconds if seconds else 0.0,
+              "live_rps_alone": base.rps, "live_rps_during": live.rps,
+              "live_p50_ms_alone": base.p50_ms, "live_p50_ms_during": live.p50_ms,
+              "live_p99_ms_alone": base.p99_ms, "live_p99_ms_during": live.p99_ms,
+              "live_errors": base.errors + live.errors,
+              "live_slowdown": 1 - live.rps / base.rps if base.rps else 0.0,
+              "rate_option": "--rate 1000000 (unthrottled; the default is 50/s)"}
+    log(f"  replayed {replayed} in {seconds:.1f}s ({result['events_per_s']:.0f}/s); live ingest "
+        f"{base.rps:.0f} -> {live.rps:.0f} req/s (slowdown {100 * result['live_slowdown']:.0f}%)")
+    b.clear()
+    return result
+
+
+# -- scale --------------------------------------------------------------------------------------
+
+def _unfinished_set(b: Bench) -> list[str]:
+    """A small unprocessed set: 500 overdue received, 300 scheduled retries, 200 live leases."""
+    events = b.source.backlog(1000)
+    ids = [e.id for e in events]
+    load_received(b.db.url, events)
+    b.db.q("UPDATE ledger.events SET wakeup_at = now() - interval '1 hour' WHERE id = ANY(%s)", (ids[:500],))
+    b.db.q("UPDATE ledger.events SET status = 'failed_recoverable', failure_reason = 'db_unavailable',"
+           " attempts = 1, next_attempt_at = now() + interval '1 hour' WHERE id = ANY(%s)", (ids[500:800],))
+    b.db.q("UPDATE ledger.events SET status = 'processing', lease_owner = 'bench', attempts = 1,"
+           " lease_expires_at = now() + interval '1 hour' WHERE id = ANY(%s)", (ids[800:],))
+    b.db.vacuum("ledger.events")
+    return ids
+
+
+def sweep(b: Bench) -> dict[str, Any]:
+    """One recovery sweep pass over a 1,000-event unprocessed set, and the plan of its query."""
+    from ledger.db import ProcessPool
+    from ledger.store import WorkerLedger
+    from workers.app import make_celery
+    from workers.sweep import Sweeper
+    from workers.wakeup import Waker
+
+    b.clear()
+    _unfinished_set(b)
+    params = {"overdue_s": 15.0, "batch": 500}
+    explain = "EXPLAIN (ANALYZE, BUFFERS) " + SQL.event_sweep_overdue_wakeups
+    timings, plan = [], ""
+    with psycopg.connect(b.db.url) as conn:
+        for _ in range(15):
+            rows = conn.execute(explain, params).fetchall()
+            conn.rollback()
+            plan = "\n".join(r[0] for r in rows)
+            timings.append(float(plan.rsplit("Execution Time: ", 1)[1].split()[0]))
+    celery = make_celery(b.settings)
+    pool = ProcessPool(b.settings, name="bench-sweep", max_size=1)
+    try:
+        sweeper = Sweeper(WorkerLedger(pool), Waker(celery), celery, b.settings)
+        started = time.perf_counter()
+        result = sweeper.run_once()
+        pass_ms = 1000 * (time.perf_counter() - started)
+    finally:
+        pool.close()
+        celery.close()
+    partial = [r[0] for r in b.db.q("SELECT indexname FROM pg_indexes WHERE schemaname = 'ledger' AND tablename ="
+                                    " 'events' AND indexdef LIKE %s", ("%WHERE (status = ANY%received%processing%",))]
+    scans = re.findall(r"(Seq Scan|Bitmap Heap Scan|Index Only Scan|Index Scan) (?:using (\w+) )?on events\b", plan)
+    inner = [s for s in scans if s[1] != "events_pkey"]
+    b.clear()
+    return {"pass_ms": pass_ms, "redriven": result.redriven, "query_ms_median": statistics.median(timings),
+            "query_ms_min": min(timings), "plan": plan, "partial_indexes": partial,
+            "uses_partial_index": bool(inner) and all(kind.startswith("Index") and name in partial
+                                                      for kind, name in inner)}
+
+
+def prefill_history(b: Bench) -> dict[str, Any]:
+    """The history, written set-based (INSERT ... SELECT generate_series) on two connections at
+    once; the events' non-partial secondary indexes are dropped for the load and rebuilt
+    from their own definitions, then everything is vacuumed and analysed."""
+    total = b.opts.history_events
+    log(f"scale: writing {total:,} processed events and their business rows (set-based SQL)")
+    b.clear()
+    sample = b.source.events[0]
+    template = payloads.body(sample).replace(sample["id"], "__EVT__").replace(
+        sample["data"]["object"]["id"], "__CUS__")
+    compact = json.dumps(json.loads(template), separators=(",", ":"))
+    events_sql, other_sql = history_sql(total, compact)
+    rebuilt = b.db.q("SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'ledger' AND tablename IN"
+                     " ('events', 'deliveries') AND indexdef NOT LIKE '%% WHERE %%' AND indexname NOT LIKE '%%pkey'")
+    started = time.monotonic()
+    errors: list[BaseException] = []
+
+    def run(statements: list[str]) -> None:
+        try:
+            with psycopg.connect(b.db.url, autocommit=True) as conn:
+                conn.execute("SET session_replication_role = replica")  # no FK triggers: consistent by construction
+                conn.execute("SET maintenance_work_mem = '512MB'")
+                for statement in statements:
+                    conn.execute(statement)
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+
+    for name, _ in rebuilt:
+        b.db.q(f"DROP INDEX ledger.{name}")
+    threads = [threading.Thread(target=run, args=(events_sql,)), threading.Thread(target=run, args=(other_sql,))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    index_threads = [threading.Thread(target=run, args=([definition],)) for _, definition in rebuilt]
+    for t in index_threads:
+        t.start()
+    for t in index_threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    load_s = time.monotonic() - started
+    b.db.vacuum()
+    sizes = dict(b.db.q("SELECT relname, pg_total_relation_size(oid) FROM pg_class "
+                        "WHERE relname IN ('events', 'deliveries', 'attempts', 'subscriptions', 'invoices',"
+                        " 'customers', 'subscription_transitions', 'entitlements') AND relkind = 'r'"))
+    counts = {t: b.db.one(f"SELECT count(*) FROM {t}") for t in
+              ("ledger.events", "ledger.attempts", "ledger.deliveries", "billing.customers",
+               "billing.subscriptions", "billing.invoices", "billing.subscription_transitions",
+               "billing.entitlements")}
+    result = {"events": total, "load_s": load_s, "total_s": time.monotonic() - started,
+              "payload_bytes": len(compact), "rows": counts, "rebuilt_indexes": [n for n, _ in rebuilt],
+              "database_mb": b.db.one("SELECT pg_database_size(current_database())") / 2**20,
+              "relation_mb": {k: v / 2**20 for k, v in sizes.items()}}
+    log(f"  history written in {result['load_s']:.0f}s, vacuumed in {result['total_s'] - result['load_s']:.0f}s "
+        f"(database {result['database_mb']:.0f} MB)")
+    return result
+
+
+def scale(b: Bench) -> dict[str, Any]:
+    # The empty-ledger figures: this run's ingest and drain when they ran before, else measured now.
+    empty = b.results.setdefault("_empty", {})
+    for name, scenario in (("ingest", ingest), ("drain", drain)):
+        if name not in empty:
+            empty[name] = b.results.get(name) or scenario(b)
+            b.results.setdefault(name, empty[name])
+    log("scale: recovery sweep on the empty ledger")
+    empty["sweep"] = sweep(b)
+    history = prefill_history(b)
+    n = b.opts.history_events
+    b.label = f"{n // 1_000_000}M" if n % 1_000_000 == 0 else f"{n // 1000}k"
+    try:
+        full_ingest = ingest(b)
+        full_drain = drain(b)
+        log("scale: recovery sweep with the history")
+        full_sweep = sweep(b)
+    finally:
+        b.label = "empty"
+    ingest_ratios = {}
+    for e, f in zip(empty["ingest"]["levels"], full_ingest["levels"]):
+        c = e["concurrency"]
+        ingest_ratios[c] = {"rps": f["rps"] / e["rps"], "p99": e["p99_ms"] / f["p99_ms"] if f["p99_ms"] else 0,
+                            "pgbench": f["pgbench_tps"] / e["pgbench_tps"] if e["pgbench_tps"] else 0}
+    drain_ratios = {}
+    for e, f in zip(empty["drain"]["runs"], full_drain["runs"]):
+        drain_ratios[e["workers"]] = {"events_per_s": f["events_per_s"] / e["events_per_s"],
+                                      "pgbench": f["pgbench_tps"] / e["pgbench_tps"] if e["pgbench_tps"] else 0}
+    es, fs = empty["sweep"], full_sweep
+    sweep_ratio = {"pass": es["pass_ms"] / fs["pass_ms"] if fs["pass_ms"] else 0,
+                   "query": es["query_ms_median"] / fs["query_ms_median"] if fs["query_ms_median"] else 0}
+    figures = [r["rps"] for r in ingest_ratios.values()] + [r["events_per_s"] for r in drain_ratios.values()] \
+        + [sweep_ratio["query"]]
+    return {"history": history, "ingest": full_ingest, "drain": full_drain, "sweep": full_sweep,
+            "sweep_empty": es, "ingest_ratio": ingest_ratios, "drain_ratio": drain_ratios,
+            "sweep_ratio": sweep_ratio, "min_ratio": min(figures),
+            "target_met": min(figures) >= 0.9}
+
+
+# -- cost ---------------------------------------------------------------------------------------
+
+def cost(b: Bench) -> dict[str, Any]:
+    meters = b.results.get("_meters", {}).get("empty", {})
+    if "cost_receiver" not in meters:
+        rc = b.receiver()
+        b.clear()
+        log("cost: metering the receiver (c=8, 3,000 deliveries)")
+        b.wrk.run(rc.port, b.deliveries(b.templates, 200, seed=5), 8, max_duration_s=60)
+        meter = b.meter(rc.pids)
+        end_backends(b, "ingest")
+        meter.begin_sql()
+        meter.begin_cpu(b.db.unfinished)
+        b.wrk.run(rc.port, b.deliveries(b.templates, 3000, seed=6), 8, max_duration_s=120)
+        meter.end_cpu(b.db.unfinished)
+        time.sleep(0.5)
+        end_backends(b, "ingest")
+        meters["cost_receiver"] = meter.finish("event_record_delivery")
+    if "cost_worker" not in meters:
+        b.clear()
+        n = min(4000, b.opts.drain_events)
+        log(f"cost: metering one worker draining {n} events")
+        events = b.source.backlog(n)
+        load_received(b.db.url, events)
+        push_wakeups(b.redis.url, QUEUE, [e.id for e in events])
+        holder: dict = {}
+        meter = Meter(b, lambda: holder["fleet"].pids())
+        meter.begin_sql()
+        done = lambda: n - b.db.unfinished()  # noqa: E731
+        with b.fleet(1) as fleet:
+            holder["fleet"] = fleet
+            meter.begin_cpu(done)
+            _wait_drained(b, n, timeout_s=600)
+            meter.end_cpu(done)
+        meters["cost_worker"] = meter.finish("event_finish_if_lease_held")
+    b.results.setdefault("_meters", {})["empty"] = meters
+    b.clear()
+    b.finish()
+    return {"receiver": meters["cost_receiver"], "worker": meters["cost_worker"], "peak_rss_mb": dict(b.peak_rss),
+            "rss_target_met": all(v < 150 for v in b.peak_rss.values()) if b.peak_rss else None}
+
+
+# -- profile ------------------------------------------------------------------------------------
+
+def _spy(pyspy: str, pids: list[int], seconds: float, out: Path) -> list[tuple[subprocess.Popen, Path]]:
+    """One non-blocking py-spy per process (it does not pause them; --subprocesses misses gunicorn's workers)."""
+    spies = []
+    for pid in pids:
+        raw = out.with_name(f"{out.stem}-{pid}.txt")
+        spies.append((subprocess.Popen([pyspy, "record", "--pid", str(pid), "--nonblocking", "--rate", "100",
+                                        "--format", "raw", "--duration", str(int(seconds)), "-o", str(raw)],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                       start_new_session=True), raw))
+    return spies
+
+
+def _collect(b: Bench, spies: list[tuple[subprocess.Popen, Path]]) -> list[Path]:
+    raws = []
+    for proc, raw in spies:
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if raw.exists():
+            raws.append(raw)
+    return raws
+
+
+def profile(b: Bench) -> dict[str, Any]:
+    """py-spy (sampling, non-blocking, wall clock) on the warmed-up receiver during ingest at c=8,
+    and on one worker (its main process and its pool process) during a drain."""
+    import shutil
+
+    pyspy = shutil.which("py-spy") or venv_tool("py-spy")
+    rc = b.receiver()
+    b.clear()
+    out = {}
+    seconds = 6 if b.opts.quick else 12
+    b.wrk.run(rc.port, b.deliveries(b.templates, 600, seed=30), 8, max_duration_s=30)  # warm-up
+    spies = _spy(pyspy, rc.worker_pids(), seconds, b.work / "profile-receiver.txt")
+    time.sleep(0.5)
+    r = b.wrk.run(rc.port, b.deliveries(b.templates, int(400 * seconds), seed=31), 8, max_duration_s=seconds - 1)
+    raws = _collect(b, spies)
+    out["receiver"] = {"rps": r.rps, "profile": report.collapse(raws), "raw": [str(p) for p in raws]}
+    b.clear()
+    n = 3000 if b.opts.quick else 8000
+    events = b.source.backlog(n)
+    load_received(b.db.url, events)
+    with b.fleet(1) as fleet:
+        push_wakeups(b.redis.url, QUEUE, [e.id for e in events[:200]])  # warm-up
+        _wait_drained_count(b, n - 200, timeout_s=120)
+        pids = fleet.pids()
+        spies = _spy(pyspy, pids["worker main"] + pids["worker pool process"], seconds, b.work / "profile-worker.txt")
+        time.sleep(0.5)
+        push_wakeups(b.redis.url, QUEUE, [e.id for e in events[200:]])
+        raws = _collect(b, spies)
+    out["worker"] = {"profile": report.collapse(raws), "raw": [str(p) for p in raws]}
+    b.clear()
+    return out
+
+
+def _wait_drained_count(b: Bench, remaining: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while b.db.unfinished() > remaining and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+SCENARIOS: dict[str, Callable[[Bench], dict[str, Any]]] = {
+    "ingest": ingest, "drain": drain, "burst": burst, "replay": replay, "scale": scale, "cost": cost,
+    "profile": profile,
+}
+ALL = ("ingest", "drain", "burst", "replay", "scale", "cost")

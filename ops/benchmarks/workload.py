@@ -1,0 +1,419 @@
+"""Workloads: backlogs of received events, wake-ups, pgbench scripts, and the 1M-event history.
+
+A backlog is loaded straight into the ledger (the rows the receiver would have
+written: ``ledger.events`` as ``received`` plus one ``ledger.deliveries`` row each)
+and its wake-ups are pushed to the broker queue before any worker starts, so a
+drain measures the workers alone.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import redis
+
+from ledger.config import Settings
+from ledger.queries import SQL
+from workers.app import make_celery
+from workers.wakeup import Waker
+
+from .payloads import body
+from .pg import pgbench_sql
+
+_ID = re.compile(r"\b(evt_bench|evt|cus|sub|in|si|price|prod)_([0-9a-f]{24})\b")
+
+
+def _retag(text: str, tag: str) -> str:
+    return _ID.sub(lambda m: f"{m[1]}_{tag}{m[2][len(tag):]}", text)
+
+
+@dataclass(frozen=True)
+class BacklogEvent:
+    id: str
+    type: str
+    created: int
+    livemode: bool
+    api_version: str | None
+    account: str | None
+    body: str
+    params: dict[str, Any]  # what the worker's handler passes to its statements (pgbench replays it)
+
+
+class EventSource:
+    """Lifecycle events generated once and re-issued per backlog under fresh ids (every id,
+    event and object alike, is re-tagged, so each backlog is new customers, subscriptions and invoices)."""
+
+    def __init__(self, events: list[dict[str, Any]]):
+        self.events = events
+        self.bodies = [body(e) for e in events]
+        self.params = [_handler_params(e) for e in events]
+        self._issued = 0
+
+    def backlog(self, count: int) -> list[BacklogEvent]:
+        self._issued += 1
+        tag = f"{self._issued:04x}"
+        out = []
+        for i in range(count):
+            evt = self.events[i % len(self.events)]
+            if i and i % len(self.events) == 0:  # more than one pass: a new tag per pass
+                self._issued += 1
+                tag = f"{self._issued:04x}"
+            base = self.params[i % len(self.events)]
+            params = {**base, "values": {k: (_retag(v, tag) if isinstance(v, str) else v)
+                                         for k, v in base["values"].items()}}
+            out.append(BacklogEvent(id=_retag(evt["id"], tag), type=evt["type"], created=evt["created"],
+                                    livemode=evt["livemode"], api_version=evt.get("api_version"),
+                                    account=evt.get("account"), body=_retag(self.bodies[i % len(self.events)], tag),
+                                    params=params))
+        return out
+
+
+class _NoRows:
+    rowcount = 0
+    description = None
+
+    def fetchone(self):
+        return None
+
+    def fetchall(self):
+        return []
+
+    def __iter__(self):
+        return iter(())
+
+
+class _RecordingConnection:
+    """Stands in for the apply transaction's connection: records what the handlers send."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, Any]] = []
+
+    def execute(self, sql, params=None, **_):
+        self.calls.append((str(sql), params))
+        return _NoRows()
+
+    def cursor(self, *_, **__):
+        return self
+
+
+_REGISTRY = None
+
+
+def _handler_calls(evt: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The statements (and parameters) the registered handlers send for this event.
+
+    Runs the real handler registry (built-in billing handlers, as a worker loads
+    them) against a recording connection whose queries return no rows; so the
+    drain's pgbench script follows whatever the handlers do today.
+    """
+    global _REGISTRY
+    from workers.registry import ApplyContext, load_handlers
+
+    if _REGISTRY is None:
+        _REGISTRY = load_handlers(Settings())
+    conn = _RecordingConnection()
+    context = ApplyContext(conn=conn, event_id=evt["id"], event_type=evt["type"],
+                           created=datetime.fromtimestamp(evt["created"], tz=timezone.utc),
+                           livemode=evt["livemode"], account=evt.get("account"), event=evt, attempt=1)
+    handlers = _REGISTRY.resolve(evt["type"])
+    if not handlers:
+        raise ValueError(f"no handler for {evt['type']}: a drain backlog must hold handled events")
+    for handle in handlers:
+        handle(context)
+    return conn.calls
+
+
+def _pg_text(value: Any) -> tuple[str | None, str]:
+    """A parameter as pgbench text and the Postgres type to cast it back to."""
+    from psycopg.types.json import Json, Jsonb
+
+    if value is None:
+        return None, ""
+    if isinstance(value, bool):
+        return ("true" if value else "false"), "boolean"
+    if isinstance(value, int):
+        return str(value), "bigint"
+    if isinstance(value, float):
+        return repr(value), "double precision"
+    if isinstance(value, datetime):
+        return value.isoformat(), "timestamptz"
+    if isinstance(value, (Json, Jsonb)):
+        return json.dumps(value.obj), "jsonb" if isinstance(value, Jsonb) else "json"
+    if isinstance(value, (list, tuple)):
+        items = ['"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"' for v in value]
+        return "{" + ",".join(items) + "}", "text[]"
+    if isinstance(value, dict):
+        return json.dumps(value), "jsonb"
+    return str(value), "text"
+
+
+def _handler_params(evt: dict[str, Any]) -> dict[str, Any]:
+    """{"statements": (sql, ...), "values": {column: text}, "types": {column: type}} for one event."""
+    statements, values, types = [], {}, {}
+    for j, (sql, params) in enumerate(_handler_calls(evt)):
+        statements.append(sql)
+        items = params.items() if isinstance(params, dict) else enumerate(params or ())
+        for name, value in items:
+            text, kind = _pg_text(value)
+            values[f"p{j}_{name}"] = text
+            if kind:
+                types[f"p{j}_{name}"] = kind
+    return {"statements": tuple(statements), "values": values, "types": types}
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+def load_received(url: str, events: list[BacklogEvent], *, status_sql: str | None = None) -> None:
+    """COPY the events in as ``received`` (plus a delivery row each), as the receiver would leave them."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        with conn.transaction():
+            with conn.cursor().copy("COPY ledger.events (id, type, stripe_created, livemode, api_version, account,"
+                                    " payload) FROM STDIN") as copy:
+                for e in events:
+                    copy.write_row((e.id, e.type, datetime.fromtimestamp(e.created, tz=timezone.utc), e.livemode,
+                                    e.api_version, e.account, e.body))
+            with conn.cursor().copy("COPY ledger.deliveries (event_id) FROM STDIN") as copy:
+                for e in events:
+                    copy.write_row((e.id,))
+            if status_sql:
+                conn.execute(status_sql, {"ids": [e.id for e in events]})
+        conn.execute("ANALYZE ledger.events")
+
+
+def push_wakeups(broker_url: str, queue: str, event_ids: list[str]) -> None:
+    """One wake-up per id, in order, byte for byte what ``Waker.wake`` publishes.
+
+    The first is published by the Waker itself and read back as the template; the
+    rest are the same message with the id (and message ids) replaced, pushed in
+    pipelined batches (publishing 20,000 one by one would dominate the set-up time).
+    """
+    if not event_ids:
+        return
+    client = redis.Redis.from_url(broker_url)
+    try:
+        # The template goes through a queue of its own, so that a running worker cannot take it.
+        probe_queue = f"{queue}.template-{uuid.uuid4().hex[:8]}"
+        app = make_celery(Settings(broker_url=broker_url, queue_name=probe_queue), publisher_only=True)
+        if not Waker(app).wake(f"evt_probe_{uuid.uuid4().hex}"):
+            raise RuntimeError("could not publish a wake-up to the private Redis")
+        app.close()
+        template = json.loads(client.rpop(probe_queue))
+        client.delete(probe_queue)
+        template["properties"]["delivery_info"] = {**template["properties"]["delivery_info"], "routing_key": queue}
+        _, kwargs, embed = json.loads(base64.b64decode(template["body"]))
+        pipe = client.pipeline(transaction=False)
+        for index, event_id in enumerate(event_ids, start=1):
+            task_id = str(uuid.uuid4())
+            message = dict(template)
+            message["body"] = base64.b64encode(json.dumps([[event_id], kwargs, embed]).encode()).decode()
+            message["headers"] = {**template["headers"], "id": task_id, "root_id": task_id,
+                                  "argsrepr": repr([event_id])}
+            message["properties"] = {**template["properties"], "correlation_id": task_id,
+                                     "delivery_tag": str(uuid.uuid4())}
+            pipe.lpush(queue, json.dumps(message))
+            if index % 2000 == 0:
+                pipe.execute()
+        pipe.execute()
+    finally:
+        client.close()
+
+
+def drop_queue(broker_url: str, queue: str) -> None:
+    client = redis.Redis.from_url(broker_url)
+    try:
+        client.delete(queue, "unacked", "unacked_index")
+    finally:
+        client.close()
+
+
+def redis_commands(broker_url: str) -> dict[str, int]:
+    client = redis.Redis.from_url(broker_url)
+    try:
+        return {k.removeprefix("cmdstat_"): v["calls"] for k, v in client.info("commandstats").items()}
+    finally:
+        client.close()
+
+
+# -- pgbench scripts ----------------------------------------------------------------------------
+
+class DrainScript:
+    """What a worker sends Postgres for one event, as one pgbench transaction, for a backlog.
+
+    The ledger's own statements are the named ones the worker runs (event_claim,
+    then BEGIN, event_lock_if_lease_held, the handlers' statements,
+    event_finish_if_lease_held, COMMIT); the handlers' statements are those the
+    registered handlers sent for each event (see ``_handler_calls``), one \\if
+    branch per distinct sequence. Added: one primary-key SELECT of the event's
+    parameters from bench.drain_work (the worker maps them from the payload in
+    Python), so the limit it measures is, if anything, understated.
+    """
+
+    def __init__(self, events: list[BacklogEvent]):
+        self.events = events
+        self.kinds: dict[tuple[str, ...], int] = {}
+        self.types: dict[str, str] = {}
+        for e in events:
+            self.kinds.setdefault(e.params["statements"], len(self.kinds) + 1)
+            for col, kind in e.params["types"].items():
+                self.types.setdefault(col, kind)
+        self.columns = sorted({c for e in events for c in e.params["values"]},
+                              key=lambda c: (int(c[1:].split("_", 1)[0]), c))
+
+    def _var(self, j: int):
+        def var(name: str) -> str:
+            col = f"p{j}_{name}"
+            return f"nullif(:{col}, '')::{self.types.get(col, 'text')}"
+        return var
+
+    def text(self) -> str:
+        ledger = {"id": ":ev_id", "worker": ":worker", "lease_owner": ":lease_owner", "lease_s": ":lease_s",
+                  "attempt": ":cl_attempts"}
+        lines = ["\\set i :i + 1",
+                 "\\set n :client_id + 1 + :nclients * (:i - 1)",
+                 "SELECT * FROM bench.drain_work WHERE n = :n \\gset",
+                 pgbench_sql(SQL.event_claim, var=lambda p: ledger[p]).rstrip(";") + "\n\\gset cl_",
+                 "BEGIN;",
+                 pgbench_sql(SQL.event_lock_if_lease_held, var=lambda p: ledger[p])]
+        for statements, kind in self.kinds.items():
+            lines.append(f"\\{'if' if kind == 1 else 'elif'} :kind = {kind}")
+            for j, sql in enumerate(statements):
+                lines.append(pgbench_sql(sql.replace("%%", "%"), var=self._var(j)))
+        lines.append("\\endif")
+        lines.append(pgbench_sql(SQL.event_finish_if_lease_held, var=lambda p: ledger[p]))
+        lines.append("COMMIT;")
+        return "\n".join(lines) + "\n"
+
+    def statements_per_event(self) -> float:
+        """Statements (BEGIN and COMMIT included) the script sends per event, without the parameter fetch."""
+        per_kind = {k: len(s) for s, k in self.kinds.items()}
+        return sum(4 + 1 + per_kind[self.kinds[e.params["statements"]]] for e in self.events) / len(self.events)
+
+    def load(self, url: str) -> None:
+        cols = self.columns
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("DROP TABLE IF EXISTS bench.drain_work")
+            conn.execute("CREATE TABLE bench.drain_work (n integer PRIMARY KEY, ev_id text NOT NULL,"
+                         " kind integer NOT NULL, worker text NOT NULL, lease_owner text NOT NULL"
+                         + "".join(f", {c} text" for c in cols) + ")")
+            with conn.cursor().copy(f"COPY bench.drain_work (n, ev_id, kind, worker, lease_owner"
+                                    f"{''.join(', ' + c for c in cols)}) FROM STDIN") as copy:
+                for n, e in enumerate(self.events, start=1):
+                    values = e.params["values"]
+                    copy.write_row((n, e.id, self.kinds[e.params["statements"]], f"pgbench:{n}", uuid.uuid4().hex,
+                                    *(values.get(c) for c in cols)))
+            conn.execute("ANALYZE bench.drain_work")
+
+
+def ingest_scripts(work_dir: Path, deliveries_sample: list) -> tuple[list[Path], dict[str, str]]:
+    """The receiver's INSERT ... ON CONFLICT (event_record_delivery) of the same payloads, one per transaction.
+
+    The event id is built in SQL from a random number (pgbench has no string
+    variables); every other parameter is one of the sampled deliveries, verbatim.
+    """
+    scripts, defines = [], {}
+    for k, delivery in enumerate(deliveries_sample):
+        evt = json.loads(delivery.body)
+        defines.update({f"type{k}": evt["type"], f"created{k}": str(evt["created"]),
+                        f"livemode{k}": "true" if evt.get("livemode") else "false", f"payload{k}": delivery.body})
+        names = {"id": "('evt_pgb_' || :r)", "type": f":type{k}", "created": f":created{k}::double precision",
+                 "livemode": f":livemode{k}::boolean", "payload": f":payload{k}"}
+        # pgbench cannot define an empty variable: absent values are NULL literals (psycopg sends NULL too).
+        for name, key in (("api_version", "api"), ("account", "account")):
+            value = evt.get(name)
+            if value:
+                defines[f"{key}{k}"] = value
+                names[name] = f":{key}{k}::text"
+            else:
+                names[name] = "NULL::text"
+        path = work_dir / f"ingest-{k}.sql"
+        path.write_text("\\set r random(1, 1000000000000000)\n"
+                        + pgbench_sql(SQL.event_record_delivery, var=lambda p: names[p]) + "\n")
+        scripts.append(path)
+    return scripts, defines
+
+
+# -- the 1M-event history (scale) ---------------------------------------------------------------
+
+# A lifecycle of ten events, as the factories build it: (event type, subscription status after it).
+HISTORY_TYPES = ["customer.created", "customer.subscription.created", "customer.subscription.updated",
+                 "invoice.paid", "invoice.payment_failed", "customer.subscription.updated", "invoice.paid",
+                 "customer.subscription.updated", "customer.subscription.updated", "customer.subscription.deleted"]
+
+
+def history_sql(total: int, payload_template: str) -> tuple[list[str], list[str]]:
+    """Set-based statements that write ``total`` processed events (one delivery and one attempt
+    each) and the business rows their lifecycles leave: a customer, a subscription (half
+    of them canceled, half active with two entitlements), two invoices and six
+    subscription transitions per ten events.
+
+    Two lists of about equal cost that may run at once on two connections
+    (foreign-key triggers off: the rows are consistent by construction).
+    ``payload_template`` holds ``__EVT__`` and ``__CUS__`` where the ids go.
+    """
+    lifecycles = total // 10
+    types = "ARRAY[" + ", ".join(f"'{t}'" for t in HISTORY_TYPES) + "]"
+    head, rest = payload_template.split("__EVT__", 1)
+    middle, tail = rest.split("__CUS__", 1)
+    q = lambda text: "'" + text.replace("'", "''") + "'"  # noqa: E731
+    at = "now() - interval '400 days' + g * interval '30 seconds'"
+    events = [
+        f"""INSERT INTO ledger.events (id, type, status, attempts, stripe_created, livemode, api_version, payload,
+                                       received_at, wakeup_at, processed_at, updated_at)
+            SELECT x.id, ({types})[1 + g % 10], 'processed', 1, {at}, false, '2020-08-27',
+                   ({q(head)} || x.id || {q(middle)} || 'cus_' || substr(md5('c' || g / 10), 1, 24) || {q(tail)})::json,
+                   {at}, {at}, {at} + interval '150 ms', {at} + interval '150 ms'
+              FROM generate_series(0, {total - 1}) AS g,
+                   LATERAL (SELECT 'evt_' || substr(md5('e' || g), 1, 24) AS id) AS x
+             ORDER BY x.id""",
+    ]
+    others = [
+        f"""INSERT INTO ledger.deliveries (event_id, delivered_at)
+            SELECT 'evt_' || substr(md5('e' || g), 1, 24), {at} FROM generate_series(0, {total - 1}) AS g""",
+        f"""INSERT INTO ledger.attempts (event_id, attempt, worker, lease_owner, started_at, finished_at, outcome)
+            SELECT 'evt_' || substr(md5('e' || g), 1, 24), 1, 'history:1', 'history',
+                   {at} + interval '50 ms', {at} + interval '150 ms', 'processed'
+              FROM generate_series(0, {total - 1}) AS g
+             ORDER BY 1""",
+        f"""INSERT INTO billing.customers (id, email, livemode, metadata, source_event_id, source_event_created)
+            SELECT 'cus_' || substr(md5('c' || c), 1, 24), 'cus' || c || '@example.test', false, '{{}}',
+                   'evt_' || substr(md5('e' || c * 10), 1, 24), now() - interval '400 days' + c * interval '300 seconds'
+              FROM generate_series(0, {lifecycles - 1}) AS c""",
+        f"""INSERT INTO billing.subscriptions (id, customer_id, status, price_id, product_id, quantity,
+                   current_period_start, current_period_end, canceled_at, ended_at, features, livemode,
+                   source_event_id, source_event_created)
+            SELECT 'sub_' || substr(md5('s' || c), 1, 24), 'cus_' || substr(md5('c' || c), 1, 24),
+                   CASE WHEN c % 2 = 0 THEN 'canceled' ELSE 'active' END, 'price_hist', 'prod_hist', 1,
+                   now() - interval '400 days', now() - interval '370 days',
+                   CASE WHEN c % 2 = 0 THEN now() - interval '370 days' END,
+                   CASE WHEN c % 2 = 0 THEN now() - interval '370 days' END,
+                   '{{seats,reports}}', false, 'evt_' || substr(md5('e' || (c * 10 + 9)), 1, 24),
+                   now() - interval '400 days' + (c * 10 + 9) * interval '30 seconds'
+              FROM generate_series(0, {lifecycles - 1}) AS c""",
+        f"""INSERT INTO billing.invoices (id, customer_id, subscription_id, status, amount_due, amount_paid, currency,
+                   period_start, period_end, billing_reason, livemode, source_event_id, source_event_created)
+            SELECT 'in_' || substr(md5('i' || c || '-' || k), 1, 24), 'cus_' || substr(md5('c' || c), 1, 24),
+                   'sub_' || substr(md5('s' || c), 1, 24), 'paid', 1500, 1500, 'usd',
+                   now() - interval '400 days', now() - interval '370 days', 'subscription_cycle', false,
+                   'evt_' || substr(md5('e' || (c * 10 + 6)), 1, 24),
+                   now() - interval '400 days' + (c * 10 + 6) * interval '30 seconds'
+              FROM generate_series(0, {lifecycles - 1}) AS c, generate_series(1, 2) AS k""",
+        f"""INSERT INTO billing.subscription_transitions (event_id, event_type, subscription_id, from_status,
+                   to_status, applied, event_created)
+            SELECT 'evt_' || substr(md5('e' || (c * 10 + s)), 1, 24), ({types})[1 + s],
+                   'sub_' || substr(md5('s' || c), 1, 24), 'active', 'active', true,
+                   now() - interval '400 days' + (c * 10 + s) * interval '30 seconds'
+              FROM generate_series(0, {lifecycles - 1}) AS c, unnest(ARRAY[1, 2, 5, 7, 8, 9]) AS s
+             ORDER BY 1""",
+        f"""INSERT INTO billing.entitlements (customer_id, feature, source)
+            SELECT 'cus_' || substr(md5('c' || c), 1, 24), f, 'subscription'
+              FROM generate_series(1, {lifecycles - 1}, 2) AS c, unnest(ARRAY['seats', 'reports']) AS f""",
+    ]
+    # customers, subscriptions and entitlements go with the events; the rest with the deliveries.
+    return events + [others[2], others[3], others[6]], [others[0], others[1], others[4], others[5]]
