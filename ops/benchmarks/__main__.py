@@ -87,9 +87,11 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="scenarios: " + ", ".join(SCENARIOS) + "; 'all' runs "
                                             + ", ".join(ALL))
-    parser.add_argument("scenario", help="all, or one or more of " + ", ".join(SCENARIOS) + " (comma-separated)")
+    parser.add_argument("scenario", nargs="?", help="all, or one or more of " + ", ".join(SCENARIOS) + " (comma-separated)")
+    parser.add_argument("--render", type=Path, metavar="RESULTS_JSON",
+                        help="run nothing: write docs/benchmarks.md's results and the plots from a saved results.json")
     parser.add_argument("--quick", action="store_true",
-                        help="small sizes (under 2 minutes): a smoke run, not a measurement")
+                        help="small sizes, every code path (a few minutes): a smoke run, not a measurement")
     parser.add_argument("--out", type=Path, help="directory for results.json, logs and profiles "
                                                  "(default: a new /tmp/ledger-bench-* directory)")
     parser.add_argument("--docs", action=argparse.BooleanOptionalAction, default=None,
@@ -111,6 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ingest-seconds", dest="ingest_s", type=float)
     parser.add_argument("--receiver-workers", type=int, help="gunicorn workers (default 4, as in README)")
     args = parser.parse_args(argv)
+    if args.render:
+        from .docs import write
+
+        for written in write(json.loads(args.render.read_text()), DOCS):
+            log(f"wrote {written}")
+        return 0
+    if not args.scenario:
+        parser.error("name a scenario, or all")
 
     out = args.out or Path(tempfile.mkdtemp(prefix="ledger-bench-"))
     out.mkdir(parents=True, exist_ok=True)

@@ -123,13 +123,21 @@ _NAMED = {**{k: _normalise(v) for k, v in LEDGER_SQL.items()},
           **{f"billing.{k}": _normalise(v) for k, v in BILLING_SQL.items()}}
 
 
+def statement_label(name: str) -> str:
+    """A recorded statement name with every named statement that shares its pg_stat_statements entry."""
+    if name in _NAMED:
+        return " or ".join(n for n, named in _NAMED.items() if named == _NAMED[name])
+    return name
+
+
 def statement_name(query: str) -> str:
     text = _normalise(query)
     if text in ("begin", "commit", "rollback"):
         return text.upper()
-    for name, named in _NAMED.items():
-        if text == named:
-            return name
+    exact = [name for name, named in _NAMED.items() if text == named]
+    if exact:
+        # Statements differing only in a constant share one pg_stat_statements entry.
+        return " or ".join(exact)
     # pg_stat_statements replaces constants by $n and pgbench's scripts add casts: compare loosely.
     import difflib
 

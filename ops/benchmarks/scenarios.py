@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import statistics
 import subprocess
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -627,13 +626,11 @@ def sweep(b: Bench) -> dict[str, Any]:
         celery.close()
     partial = [r[0] for r in b.db.q("SELECT indexname FROM pg_indexes WHERE schemaname = 'ledger' AND tablename ="
                                     " 'events' AND indexdef LIKE %s", ("%WHERE (status = ANY%received%processing%",))]
-    scans = re.findall(r"(Seq Scan|Bitmap Heap Scan|Index Only Scan|Index Scan) (?:using (\w+) )?on events\b", plan)
-    inner = [s for s in scans if s[1] != "events_pkey"]
     b.clear()
-    return {"pass_ms": pass_ms, "redriven": result.redriven, "query_ms_median": statistics.median(timings),
-            "query_ms_min": min(timings), "plan": plan, "partial_indexes": partial,
-            "uses_partial_index": bool(inner) and all(kind.startswith("Index") and name in partial
-                                                      for kind, name in inner)}
+    out = {"pass_ms": pass_ms, "redriven": result.redriven, "query_ms_median": statistics.median(timings),
+           "query_ms_min": min(timings), "plan": plan, "partial_indexes": partial}
+    out["uses_partial_index"] = report.sweep_uses_partial(out)
+    return out
 
 
 def prefill_history(b: Bench) -> dict[str, Any]:

@@ -80,6 +80,8 @@ class Cleanup:
             raise KeyboardInterrupt(f"signal {signum}")
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGHUP, on_term)
+        # Also when started with SIGINT ignored (from a non-interactive shell's background job).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def stop_group(proc: subprocess.Popen, *, grace_s: float = 10.0, sig: int = signal.SIGTERM) -> None:
