@@ -97,6 +97,7 @@ class Config:
     admin_url: str = ADMIN_URL
     seed: int | None = None
     keep: bool = False
+    logs_dir: str | None = None  # default: a new temporary directory, removed after a clean run
     verbose: bool = True
 
 
@@ -265,7 +266,7 @@ class Stack:
     # environment of every child: the variables the pipeline reads are ours alone
     def env(self) -> dict[str, str]:
         owned = ("DATABASE_URL", "CELERY_BROKER_URL", "LEDGER_", "DB_", "BROKER_", "STRIPE_", "LOG_LEVEL",
-                 "CHAOS_", "PROMETHEUS_MULTIPROC_DIR", "METRICS_PORT")
+                 "CHAOS_", "OUTBOX_", "PROMETHEUS_MULTIPROC_DIR", "METRICS_PORT")
         env = {k: v for k, v in os.environ.items() if not k.startswith(owned)}
         env.update({
             "DATABASE_URL": self.database_url, "CELERY_BROKER_URL": self.broker_url,
@@ -609,7 +610,11 @@ def run(cfg: Config) -> tuple[Result, list[str]]:
     result = Result(events=cfg.events, seed=seed)
     tag = uuid.uuid4().hex[:10]
     name, ref_name = f"chaos_{tag}", f"chaos_{tag}_ref"
-    workdir = Path(tempfile.mkdtemp(prefix=f"chaos-{tag}-"))
+    if cfg.logs_dir:
+        workdir = Path(cfg.logs_dir)
+        workdir.mkdir(parents=True, exist_ok=True)
+    else:
+        workdir = Path(tempfile.mkdtemp(prefix=f"chaos-{tag}-"))
     quiesce_timeout_s = cfg.quiesce_timeout_s or 600 + 0.5 * cfg.events
     problems: list[str] = []
     stack: Stack | None = None
@@ -731,10 +736,10 @@ def run(cfg: Config) -> tuple[Result, list[str]]:
                     drop_database(cfg.admin_url, db)
                 except Exception as exc:  # reported, the run's result stands
                     log(cfg, f"could not drop {db}: {exc}")
-            if not failed:
+            if not failed and not cfg.logs_dir:
                 shutil.rmtree(workdir, ignore_errors=True)
-        if failed or cfg.keep:
-            log(cfg, f"logs kept in {workdir}")
+        if failed or cfg.keep or cfg.logs_dir:
+            log(cfg, f"logs in {workdir}")
     return result, problems
 
 
@@ -754,6 +759,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--admin-url", default=ADMIN_URL, help="a database URL on the server to create databases on")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the databases and logs")
+    parser.add_argument("--logs-dir", help="write the processes' logs here (kept); default: a temporary "
+                                           "directory, removed unless the run fails")
     parser.add_argument("--json-out", help="also write the result as JSON to this file")
     parser.add_argument("--quiet", action="store_true", help="only the summary line")
     args = parser.parse_args(argv)
@@ -763,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
                  workers=args.workers, concurrency=args.concurrency, senders=args.senders,
                  chaos_interval=tuple(args.chaos_interval), min_chaos_s=args.min_chaos_s,
                  quiesce_timeout_s=args.quiesce_timeout_s, admin_url=args.admin_url, seed=args.seed,
-                 keep=args.keep, verbose=not args.quiet)
+                 keep=args.keep, logs_dir=args.logs_dir, verbose=not args.quiet)
     def stop(signum, _frame):  # so that `finally` stops every process we started and drops the databases
         raise SystemExit(128 + signum)
     signal.signal(signal.SIGTERM, stop)

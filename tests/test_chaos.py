@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.e2e]
 def test_exactly_once_outcomes_survive_kills_flushes_restarts_and_faults(tmp_path):
     out = tmp_path / "chaos.json"
     cmd = [sys.executable, "-m", "ops.chaos", "--events", str(EVENTS), "--admin-url", ADMIN_URL,
-           "--json-out", str(out)]
+           "--json-out", str(out), "--logs-dir", str(tmp_path / "logs")]
     if os.environ.get("CHAOS_SEED"):
         cmd += ["--seed", os.environ["CHAOS_SEED"]]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
