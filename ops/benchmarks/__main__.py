@@ -116,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         from .docs import write
 
-        for written in write(json.loads(args.render.read_text()), DOCS):
+        results = json.loads(args.render.read_text())
+        results["summaries"] = {name: report.summary(name, results[name])[1]
+                                for name in results.get("summaries", {}) if name in results}
+        for line in results["summaries"].values():
+            print(line)
+        for written in write(results, DOCS):
             log(f"wrote {written}")
         return 0
     if not args.scenario:

@@ -117,7 +117,8 @@ class Bench:
     @property
     def source(self) -> EventSource:
         if self._source is None:
-            count = max(self.opts.drain_events, self.opts.burst_events, self.opts.replay_events)
+            # Generated once and re-issued under fresh ids as often as a backlog needs (EventSource.backlog).
+            count = min(4000, max(self.opts.drain_events, self.opts.burst_events, self.opts.replay_events))
             log(f"generating {count // 10} subscription lifecycles ({count} events)")
             self._source = EventSource(payloads.lifecycles(count // 10))
         return self._source
@@ -377,11 +378,11 @@ def drain(b: Bench) -> dict[str, Any]:
             f"{pgb.tps:8.1f} tps ({limit_done} processed) | ratio {run['drain_ratio']:.3f}")
     b.clear()
     mix: dict[str, int] = {}
-    for e in b.source.events[:n_events]:
-        mix[e["type"]] = mix.get(e["type"], 0) + 1
+    for e in events:
+        mix[e.type] = mix.get(e.type, 0) + 1
     return {"runs": runs, "events": n_events, "mix": mix, "full_drain": opts.full_drain,
             "window_s": opts.drain_s, "pgbench_window_s": opts.drain_pgbench_s,
-            "payload": payloads.size_stats(b.source.bodies[:n_events])}
+            "payload": payloads.size_stats(e.body for e in events)}
 
 
 # -- burst --------------------------------------------------------------------------------------
