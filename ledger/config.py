@@ -52,6 +52,10 @@ class Settings:
     outbox_timeout_s: float = 10.0
     # Workers and the sweep serve Prometheus metrics on this port when set.
     metrics_port: int | None = None
+    # Celery task events (task-received/started/succeeded), which Flower's task
+    # view lives on: three broker messages per task, a quarter of a worker's CPU
+    # in ops/bench, so off unless someone watches tasks in Flower.
+    task_events: bool = False
     handler_modules: tuple[str, ...] = ()
     entitlements_map_path: str | None = None
 
@@ -88,6 +92,7 @@ class Settings:
             outbox_webhook_secret=_outbox_secret(env),
             outbox_timeout_s=_number(env, "OUTBOX_TIMEOUT_S", defaults.outbox_timeout_s, float, minimum=0.1),
             metrics_port=_number(env, "METRICS_PORT", None, int, minimum=1),
+            task_events=_flag(env, "LEDGER_TASK_EVENTS", defaults.task_events),
             handler_modules=tuple(m.strip() for m in env.get("LEDGER_HANDLER_MODULES", "").split(",") if m.strip()),
             entitlements_map_path=env.get("LEDGER_ENTITLEMENTS_MAP") or None,
         )
@@ -131,6 +136,17 @@ def _secrets(raw: str) -> tuple[str, ...]:
             # Never echo the value: it is a secret.
             raise ConfigError(f"STRIPE_WEBHOOK_SECRET entry {index} is malformed: each entry must start with 'whsec_'")
     return secrets
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in {"1", "true", "yes", "on"}:
+        return True
+    if raw in {"0", "false", "no", "off"}:
+        return False
+    raise ConfigError(f"{name} must be true or false, got {raw!r}")
 
 
 def _number(env: Mapping[str, str], name: str, default, kind, minimum):

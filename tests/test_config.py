@@ -33,6 +33,16 @@ def test_from_env_reads_every_variable_of_a_good_environment():
     assert (settings.signature_tolerance_s, settings.max_body_bytes, settings.queue_name) == (60, 4096, "my-events")
 
 
+@pytest.mark.parametrize("raw, expected", [(None, False), ("true", True), ("1", True), ("off", False)])
+def test_task_events_are_off_unless_asked_for_and_reach_the_celery_app(raw, expected):
+    from workers.app import make_celery
+
+    settings = Settings.from_env({**GOOD, **({"LEDGER_TASK_EVENTS": raw} if raw is not None else {})})
+
+    assert settings.task_events is expected
+    assert make_celery(settings).conf.worker_send_task_events is expected
+
+
 def test_settings_repr_does_not_show_the_stripe_api_key():
     settings = Settings.from_env({**GOOD, "STRIPE_API_KEY": "sk_live_leaked_111"})
 
@@ -52,6 +62,7 @@ BAD = {
     "STRIPE_SIGNATURE_TOLERANCE_S zero": ("STRIPE_SIGNATURE_TOLERANCE_S", "0"),
     "INGEST_MAX_BODY_BYTES not an integer": ("INGEST_MAX_BODY_BYTES", "1MiB"),
     "DB_POOL_TIMEOUT_S not a number": ("DB_POOL_TIMEOUT_S", "soon"),
+    "LEDGER_TASK_EVENTS not a boolean": ("LEDGER_TASK_EVENTS", "sometimes"),
 }
 
 

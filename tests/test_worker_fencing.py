@@ -4,11 +4,12 @@ from __future__ import annotations
 import threading
 import time
 
+import psycopg
 import pytest
 
 from ledger.queries import SQL
 from ledger.states import EventStatus
-from ledger.store import FailureRecord, LeaseLost, WorkerLedger
+from ledger.store import LEASE_NOT_HELD, FailureRecord, LeaseLost, WorkerLedger
 from ops.factories import event
 from workers.processor import Outcome
 from tests.support.workers import wait_for
@@ -42,12 +43,15 @@ def test_a_worker_whose_lease_was_taken_over_cannot_apply_or_finish(kit):
     evt_id = record_effect_event(kit)
     ledger_a, claim_a, ledger_b, claim_b = take_over(kit, evt_id)
 
-    body_ran = False
+    # A sequence is not transactional: a nextval that Postgres ran would show after the rollback.
+    kit.execute("CREATE SEQUENCE IF NOT EXISTS public.fence_probe")
+    probe_before = kit.query("SELECT last_value FROM public.fence_probe")[0]["last_value"]
     with pytest.raises(LeaseLost):
         with ledger_a.applying(claim_a) as conn:
-            body_ran = True
             conn.execute(EFFECT_SQL, (evt_id,))
-    assert not body_ran  # the fence is the first statement: no business write even starts
+            conn.execute("SELECT nextval('public.fence_probe')")
+    # The fence is the first statement: behind it, no business write even ran.
+    assert kit.query("SELECT last_value FROM public.fence_probe")[0]["last_value"] == probe_before
     assert kit.effects(evt_id) == 0
     row = kit.event(evt_id)
     assert row["status"] == "processing" and row["lease_owner"] == claim_b.lease_owner
@@ -107,17 +111,23 @@ def test_marking_a_lost_lease_closes_an_attempt_still_running_as_lease_lost(kit)
     assert kit.attempts(evt_id)[0]["outcome"] == "lease_lost"
 
 
-def test_at_the_sql_level_a_stale_lease_owner_locks_finishes_and_fails_no_row(kit):
+def test_at_the_sql_level_a_stale_lease_owner_cannot_lock_finish_or_fail(kit):
     evt_id = record_effect_event(kit)
     ledger_a, claim_a, ledger_b, claim_b = take_over(kit, evt_id)
     stale = {"id": evt_id, "lease_owner": claim_a.lease_owner, "attempt": claim_a.attempt}
     fresh = {"id": evt_id, "lease_owner": claim_b.lease_owner, "attempt": claim_b.attempt}
     before = kit.event(evt_id)
 
+    # The apply transaction's fence and finish refuse with LL001 (it reads nothing back before COMMIT).
+    for statement in (SQL.event_lock_if_lease_held, SQL.event_finish_if_lease_held):
+        with kit.connect() as conn:
+            with pytest.raises(psycopg.Error) as refused:
+                with conn.transaction():
+                    conn.execute(statement, stale)
+            assert refused.value.sqlstate == LEASE_NOT_HELD
+    # The failure path runs after a rollback, one statement, and reports no row.
     with kit.connect() as conn:
         with conn.transaction():
-            assert conn.execute(SQL.event_lock_if_lease_held, stale).fetchone() is None
-            assert conn.execute(SQL.event_finish_if_lease_held, stale).fetchone() is None
             failed = conn.execute(SQL.event_fail_if_lease_held, {
                 **stale, "status": "failed_permanent", "reason": "x", "error_class": "X", "error": "x",
                 "delay_s": None, "wake_scheduled": False}).fetchone()
@@ -156,3 +166,35 @@ def test_a_reclaim_waits_for_an_apply_in_progress_and_then_finds_it_done(kit):
     row = kit.event(evt_id)
     assert row["status"] == "processed" and row["attempts"] == 1
     assert kit.effects(evt_id) == 1
+
+
+def test_in_the_pipelined_apply_a_savepoint_catches_a_statement_error_and_the_rest_commits_once(kit):
+    """Statements are pipelined, so an error surfaces late; a savepoint waits for its own statements."""
+    evt_id = record_effect_event(kit)
+    ledger = kit.ledger("worker-a")
+    claim = ledger.claim(evt_id, worker="host-a:1", lease_s=30)
+
+    with ledger.applying(claim) as conn:
+        conn.execute(EFFECT_SQL, (evt_id,))
+        with pytest.raises(psycopg.errors.NotNullViolation):
+            with conn.transaction():
+                conn.execute("INSERT INTO public.test_effects (event_id) VALUES (NULL)")
+        # Not committed yet: the apply transaction is still open around the savepoint.
+        assert kit.effects(evt_id) == 0
+    assert kit.status(evt_id) == "processed" and kit.effects(evt_id) == 1
+
+
+def test_an_error_in_the_pipelined_apply_rolls_back_every_statement_before_it(kit):
+    evt_id = record_effect_event(kit)
+    ledger = kit.ledger("worker-a")
+    claim = ledger.claim(evt_id, worker="host-a:1", lease_s=30)
+
+    with pytest.raises(psycopg.errors.NotNullViolation):
+        with ledger.applying(claim) as conn:
+            conn.execute(EFFECT_SQL, (evt_id,))
+            conn.execute("INSERT INTO public.test_effects (event_id) VALUES (NULL)")
+    assert kit.effects(evt_id) == 0 and kit.status(evt_id) == "processing"
+    # The connection went back to the pool clean: the next apply on it commits.
+    with ledger.applying(claim) as conn:
+        conn.execute(EFFECT_SQL, (evt_id,))
+    assert kit.status(evt_id) == "processed" and kit.effects(evt_id) == 1

@@ -64,7 +64,7 @@ def make_celery(settings: Settings, *, publisher_only: bool = False) -> Celery:
         # Publishing a wake-up is fire-and-forget beyond one try.
         task_publish_retry=False,
         worker_hijack_root_logger=False,
-        worker_send_task_events=True,
+        worker_send_task_events=settings.task_events,
         task_send_sent_event=False,
     )
     return app

@@ -83,18 +83,23 @@ SELECT claimed.*, EXISTS (SELECT 1 FROM closed) AS rescued FROM claimed
 -- name: event_lock_if_lease_held
 -- Worker, first statement of the apply transaction: the fence. Locks the row
 -- (NO KEY UPDATE, so the receiver's delivery inserts never wait on it) and
--- proves the lease is still ours. A worker whose lease expired and was
--- re-claimed finds no row and must roll back (LeaseLost). Holding the row lock
--- to COMMIT means no one can re-claim while we apply.
-SELECT id
-  FROM ledger.events
- WHERE id = %(id)s AND status = 'processing' AND lease_owner = %(lease_owner)s
-   FOR NO KEY UPDATE
+-- proves the lease is still ours. Holding the row lock to COMMIT means no one
+-- can re-claim while we apply. A worker whose lease expired and was re-claimed
+-- gets LL001 (ledger.lease_not_held): the pipelined statements behind it are
+-- skipped, none of its business writes runs, and it reports LeaseLost.
+SELECT coalesce((SELECT id
+                   FROM ledger.events
+                  WHERE id = %(id)s AND status = 'processing' AND lease_owner = %(lease_owner)s
+                    FOR NO KEY UPDATE),
+                ledger.lease_not_held(%(id)s)) AS id
 
 -- name: event_finish_if_lease_held
 -- Worker, last statement of the apply transaction: processing -> processed,
 -- committed together with the business writes, and the attempt closed.
--- No row means the lease is not ours (LeaseLost): the caller rolls back.
+-- The transaction is pipelined (nothing is read back before COMMIT), so when the
+-- lease is not ours this statement raises LL001 (ledger.lease_not_held) and the
+-- COMMIT behind it never runs: the caller rolls back and reports LeaseLost.
+-- COALESCE evaluates its second argument only when the first is NULL.
 WITH finished AS (
     UPDATE ledger.events
        SET status = 'processed', processed_at = now(), lease_owner = NULL,
@@ -102,11 +107,12 @@ WITH finished AS (
            last_error = NULL, updated_at = now()
      WHERE id = %(id)s AND status = 'processing' AND lease_owner = %(lease_owner)s
  RETURNING id
+), closed AS (
+    UPDATE ledger.attempts
+       SET outcome = 'processed', finished_at = now()
+     WHERE event_id IN (SELECT id FROM finished) AND attempt = %(attempt)s
 )
-UPDATE ledger.attempts
-   SET outcome = 'processed', finished_at = now()
- WHERE event_id IN (SELECT id FROM finished) AND attempt = %(attempt)s
-RETURNING event_id
+SELECT coalesce((SELECT id FROM finished), ledger.lease_not_held(%(id)s)) AS event_id
 
 -- name: event_fail_if_lease_held
 -- Worker, after the apply transaction rolled back: processing ->

@@ -157,7 +157,10 @@ def results_block(r: dict[str, Any]) -> str:
         rows = [
             {"what": "SQL statements (pg_stat_statements)", "receiver": rc["statements_per_event"],
              "worker": wk["statements_per_event"]},
-            {"what": "round trips to Postgres", "receiver": rc["round_trips_per_event"], "worker": wk["round_trips_per_event"]},
+            {"what": "round trips to Postgres (answers received: `ss -ti` data segments in)",
+             "receiver": rc["round_trips_per_event"], "worker": wk["round_trips_per_event"]},
+            {"what": "writes to Postgres (data segments out; pipelined statements go out unanswered)",
+             "receiver": rc.get("client_writes_per_event"), "worker": wk.get("client_writes_per_event")},
             {"what": "transactions (pg_stat_database)", "receiver": rc["transactions_per_event"],
              "worker": wk["transactions_per_event"]},
             {"what": "Redis commands (INFO commandstats)", "receiver": rc["redis_commands_per_event"],
@@ -178,7 +181,10 @@ def results_block(r: dict[str, Any]) -> str:
                     f"`{statement_label(k)}` {v:.2f}" for k, v in wk["statements_by_name"].items()) + ".", "",
                 "Peak RSS (VmHWM) per process type: " + ", ".join(
                     f"{k} **{v:.0f} MB**" for k, v in co["peak_rss_mb"].items())
-                + f" — target < 150 MB each: **{'met' if co['rss_target_met'] else 'not met'}**.", ""]
+                + f" — target < 150 MB each: **{'met' if co['rss_target_met'] else 'not met'}**.", "",
+                f"Worker target, at most 2 transactions and 4 round trips per processed event: "
+                f"**{'met' if report.worker_round_trip_target(wk) else 'not met'}** "
+                f"({wk['transactions_per_event']:.2f} and {wk['round_trips_per_event']:.2f}).", ""]
     out += ["### summary lines", "", "```", *r.get("summaries", {}).values(), "```", "",
             "![throughput against concurrency and worker count, next to the pgbench limit](benchmarks.png)"]
     return "\n".join(out)

@@ -59,6 +59,11 @@ BURST_COLUMNS = [("segment", "segment", ""), ("backlog_before", "backlog before"
                  ("p99_ms", "p99 ms", ".1f"), ("errors", "errors", "")]
 
 
+def worker_round_trip_target(worker: dict) -> bool:
+    """The issue's target: at most 2 transactions and 4 round trips per processed event (0.05 of counter slack)."""
+    return worker["transactions_per_event"] <= 2.05 and worker["round_trips_per_event"] <= 4.05
+
+
 def sweep_uses_partial(sweep: dict[str, Any]) -> bool:
     """True when the sweep reads ledger.events only through partial indexes of the unprocessed set
     (index, index-only or bitmap scans; the primary key only for the outer UPDATE's lookups)."""
@@ -179,6 +184,8 @@ def summary(name: str, result: dict[str, Any]) -> tuple[str, str]:
             {"per event": "SQL statements", "receiver": rc["statements_per_event"], "worker": wk["statements_per_event"]},
             {"per event": "round trips to Postgres", "receiver": rc["round_trips_per_event"],
              "worker": wk["round_trips_per_event"]},
+            {"per event": "writes to Postgres", "receiver": rc.get("client_writes_per_event"),
+             "worker": wk.get("client_writes_per_event")},
             {"per event": "transactions", "receiver": rc["transactions_per_event"], "worker": wk["transactions_per_event"]},
             {"per event": "Redis commands", "receiver": rc["redis_commands_per_event"],
              "worker": wk["redis_commands_per_event"]},
@@ -201,7 +208,8 @@ def summary(name: str, result: dict[str, Any]) -> tuple[str, str]:
                   "worker_redis_cmds": wk["redis_commands_per_event"],
                   "worker_cpu_ms": sum(wk["cpu_ms_per_event"].values()),
                   "postgres_cpu_ms_receiver": rc["postgres_cpu_ms_per_event"],
-                  "postgres_cpu_ms_worker": wk["postgres_cpu_ms_per_event"]}
+                  "postgres_cpu_ms_worker": wk["postgres_cpu_ms_per_event"],
+                  "worker_2tx_4rt": "met" if worker_round_trip_target(wk) else "not_met"}
         for k, v in result["peak_rss_mb"].items():
             values["peak_rss_mb_" + k.replace(" ", "_")] = v
         values["rss_under_150mb"] = "met" if result["rss_target_met"] else "not_met"

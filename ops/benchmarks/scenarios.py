@@ -26,7 +26,7 @@ from .loadgen import Wrk
 from .payloads import SignedDelivery
 from .pg import UNFINISHED, BenchDatabase, run_pgbench, url_parts
 from .stack import (Cleanup, PrivatePostgres, PrivateRedis, ProcessWatch, Receiver, WorkerFleet, base_env,
-                    venv_tool)
+                    venv_tool, wire_segments)
 from .workload import (DrainScript, EventSource, drop_queue, history_sql, ingest_scripts, load_received,
                        push_wakeups, redis_commands)
 
@@ -188,15 +188,22 @@ class Meter:
         self.m0 = db.monitor_statements
         self.r0 = redis_commands(self.b.redis.url)
 
+    def _wire(self) -> dict[tuple[int, int], tuple[int, int]]:
+        return wire_segments([pid for pids in self.watch.groups().values() for pid in pids], self.b.pg.port)
+
     def begin_cpu(self, progress: Callable[[], int]) -> None:
         self.pg0 = self.b.pg.cpu_s()
         self.watch.begin()
+        self.w0 = self._wire()
         self.t0 = time.monotonic()
         self.p0 = progress()
 
     def end_cpu(self, progress: Callable[[], int]) -> None:
         self.cpu = self.watch.cpu_s()
         self.pg_cpu = self.b.pg.cpu_s() - self.pg0
+        w1 = self._wire()  # connections opened in the window count from zero
+        self.wire_in = sum(i - self.w0.get(k, (0, 0))[0] for k, (i, _) in w1.items())
+        self.wire_out = sum(o - self.w0.get(k, (0, 0))[1] for k, (_, o) in w1.items())
         self.elapsed = time.monotonic() - self.t0
         self.cpu_events = progress() - self.p0
 
@@ -214,7 +221,8 @@ class Meter:
             by_name[s["name"]] = by_name.get(s["name"], 0) + s["calls"] / events
         n = max(self.cpu_events, 1)
         return {"events": events, "cpu_events": self.cpu_events, "elapsed_s": self.elapsed,
-                "statements_per_event": calls / events, "round_trips_per_event": calls / events,
+                "statements_per_event": calls / events, "round_trips_per_event": self.wire_in / n,
+                "client_writes_per_event": self.wire_out / n,
                 "transactions_per_event": xacts / events,
                 "statements_by_name": dict(sorted(by_name.items(), key=lambda kv: -kv[1])),
                 "redis_commands_per_event": sum(redis.values()) / events,

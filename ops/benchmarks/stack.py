@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -400,3 +401,26 @@ class ProcessWatch:
             if peaks:
                 out[name] = max(peaks) / 1024
         return out
+
+
+def wire_segments(pids: list[int], port: int) -> dict[tuple[int, int], tuple[int, int]]:
+    """Per TCP connection of these processes to ``port``: (data segments in, data segments out).
+
+    From the kernel's own counters (``ss -ti``). Postgres sends its answers only
+    when the client asks (Sync, Flush) or its buffer fills, so the data segments
+    a client receives on loopback (MSS of tens of KB) count its round trips,
+    pipelined or not; the segments it sends count its writes.
+    """
+    out = subprocess.run(["ss", "-tinpH", "dst", f"127.0.0.1:{port}"], capture_output=True, text=True).stdout
+    wanted = set(pids)
+    counts: dict[tuple[int, int], tuple[int, int]] = {}
+    for head, info in zip(*[iter(out.splitlines())] * 2):
+        pid_match = re.search(r"pid=(\d+)", head)
+        local = re.search(r"127\.0\.0\.1:(\d+)\s", head)
+        if not pid_match or not local or int(pid_match[1]) not in wanted:
+            continue
+        seg_in = re.search(r"data_segs_in:(\d+)", info)
+        seg_out = re.search(r"data_segs_out:(\d+)", info)
+        counts[(int(pid_match[1]), int(local[1]))] = (int(seg_in[1]) if seg_in else 0,
+                                                      int(seg_out[1]) if seg_out else 0)
+    return counts
