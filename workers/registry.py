@@ -19,6 +19,10 @@ Register your own::
 
 and load it with ``LEDGER_HANDLER_MODULES=myapp.stripe_handlers`` or an entry
 point in the ``stripe_ledger.handlers`` group naming that module.
+
+The connection is pipelined (see ``WorkerLedger.applying``): a statement's error
+surfaces at the next read of a result or at COMMIT; a savepoint
+(``ctx.conn.transaction()``) waits for its own statements, to catch one.
 """
 from __future__ import annotations
 
