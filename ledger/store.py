@@ -146,10 +146,9 @@ class WorkerLedger:
     def claim(self, event_id: str, *, worker: str, lease_s: int) -> Claim | None:
         """Compare-and-set the event to processing; None when another worker has it or it is done."""
         lease_owner = uuid.uuid4().hex
-        with self._pool.get().connection() as conn:
-            row = conn.cursor(row_factory=dict_row).execute(
-                SQL.event_claim, {"id": event_id, "worker": worker, "lease_owner": lease_owner,
-                                  "lease_s": lease_s}).fetchone()
+        rows = self._statement(SQL.event_claim, {"id": event_id, "worker": worker, "lease_owner": lease_owner,
+                                                 "lease_s": lease_s})
+        row = rows[0] if rows else None
         if row is None:
             return None
         return Claim(event_id=row["id"], type=row["type"], attempt=row["attempts"], lease_owner=lease_owner,
@@ -193,18 +192,36 @@ class WorkerLedger:
         params = {"id": claim.event_id, "lease_owner": claim.lease_owner, "attempt": claim.attempt,
                   "status": failure.status.value, "reason": failure.reason, "error_class": failure.error_class,
                   "error": failure.error[:2000], "delay_s": failure.delay_s, "wake_scheduled": failure.wake_scheduled}
-        with self._pool.get().connection() as conn:
-            if conn.execute(SQL.event_fail_if_lease_held, params).fetchone() is None:
-                raise LeaseLost()
+        if not self._statement(SQL.event_fail_if_lease_held, params):
+            raise LeaseLost()
 
     def mark_lease_lost(self, claim: Claim, detail: str) -> None:
-        with self._pool.get().connection() as conn:
-            conn.execute(SQL.attempt_mark_lease_lost,
-                         {"id": claim.event_id, "attempt": claim.attempt, "error": detail})
+        self._statement(SQL.attempt_mark_lease_lost, {"id": claim.event_id, "attempt": claim.attempt, "error": detail})
 
     def take_overdue_wakeups(self, *, overdue_s: float, batch: int) -> list[str]:
         """Mark up to ``batch`` overdue events as re-driven and return their ids."""
-        with self._pool.get().connection() as conn:
-            rows = conn.execute(SQL.event_sweep_overdue_wakeups,
-                                {"overdue_s": overdue_s, "batch": batch}).fetchall()
-        return [row[0] for row in rows]
+        rows = self._statement(SQL.event_sweep_overdue_wakeups, {"overdue_s": overdue_s, "batch": batch})
+        return [row["id"] for row in rows]
+
+    def _statement(self, sql: str, params: dict) -> list[dict[str, Any]]:
+        """One autocommitted transition, its rows.
+
+        After a Postgres restart every idle pooled connection is dead; the first
+        statement on one fails before reaching the server. The pool then checks
+        its idle connections and the statement runs once more on a live one, so a
+        restart does not cost each worker a failed claim or, worse, a failure it
+        could not record (which would leave the event to wait out its lease).
+        Only a broken connection is retried (a statement timeout is not), and
+        only once: a second failure is Postgres being down, and is raised.
+        """
+        pool = self._pool.get()
+        for last_try in (False, True):
+            with pool.connection() as conn:
+                try:
+                    cursor = conn.cursor(row_factory=dict_row).execute(sql, params)
+                    return cursor.fetchall() if cursor.description else []
+                except psycopg.OperationalError:
+                    if last_try or not conn.broken:
+                        raise
+            pool.check()  # the broken one went back to the pool, which discards it
+        raise AssertionError("unreachable")
