@@ -67,7 +67,7 @@ def results_block(r: dict[str, Any]) -> str:
         out += ["### ingest", "",
                 f"Signed deliveries, {p['min_kb']:.1f}-{p['max_kb']:.1f} KB (median {p['median_kb']:.1f} KB), "
                 f"{ing['seconds_per_level']:.0f} s per level, receiver = gunicorn with "
-                f"{ing['receiver_workers']} sync workers; load generator: {ing['loadgen']}.", "",
+                f"{_receiver_kind(ing)}; load generator: {ing['loadgen']}.", "",
                 report.md_table(ing["levels"], report.INGEST_COLUMNS), ""]
     if "drain" in r:
         dr = r["drain"]
@@ -188,3 +188,10 @@ def results_block(r: dict[str, Any]) -> str:
     out += ["### summary lines", "", "```", *r.get("summaries", {}).values(), "```", "",
             "![throughput against concurrency and worker count, next to the pgbench limit](benchmarks.png)"]
     return "\n".join(out)
+
+
+def _receiver_kind(ingest: dict) -> str:
+    threads = ingest.get("receiver_threads", 1)
+    if threads > 1:
+        return f"{ingest['receiver_workers']} gthread workers of {threads} threads"
+    return f"{ingest['receiver_workers']} sync workers"

@@ -53,6 +53,7 @@ class Options:
     replay_events: int = 10_000
     history_events: int = 1_000_000
     receiver_workers: int = 4
+    receiver_threads: int = 1
     out_dir: Path = field(default_factory=lambda: Path("/tmp"))
 
     @classmethod
@@ -109,7 +110,8 @@ class Bench:
     def receiver(self) -> Receiver:
         if self._receiver is None:
             log(f"starting the receiver (gunicorn, {self.opts.receiver_workers} sync workers)")
-            self._receiver = Receiver(self.env, self.work, workers=self.opts.receiver_workers)
+            self._receiver = Receiver(self.env, self.work, workers=self.opts.receiver_workers,
+                                      threads=self.opts.receiver_threads)
             self.cleanup.add("receiver", self._receiver.stop)
             self._receiver.start()
         return self._receiver
@@ -290,7 +292,8 @@ def ingest(b: Bench) -> dict[str, Any]:
             f"errors {row['errors']} | pgbench {pgb.tps:8.1f} tps | ratio {row['ingest_ratio']:.3f}")
     b.clear()
     return {"levels": rows, "payload": payloads.size_stats(d.body for d in sample + b.deliveries(templates, 500, 3)),
-            "receiver_workers": opts.receiver_workers, "seconds_per_level": opts.ingest_s,
+            "receiver_workers": opts.receiver_workers, "receiver_threads": opts.receiver_threads,
+            "seconds_per_level": opts.ingest_s,
             "loadgen": "wrk 4 (1 thread, pre-signed requests replayed by a Lua script)"}
 
 

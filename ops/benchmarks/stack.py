@@ -297,9 +297,10 @@ def http_get(port: int, path: str, timeout: float = 2) -> int:
 class Receiver:
     """``gunicorn -w N 'ingest.app:create_app()'``, the production command (README), on a free port."""
 
-    def __init__(self, env: dict[str, str], log_dir: Path, *, workers: int = 4):
+    def __init__(self, env: dict[str, str], log_dir: Path, *, workers: int = 4, threads: int = 1):
         self.env = env
         self.workers = workers
+        self.threads = threads
         self.port = free_port()
         self.log_path = log_dir / f"receiver-{self.port}.log"
         self.proc: subprocess.Popen | None = None
@@ -307,6 +308,8 @@ class Receiver:
     def start(self, timeout_s: float = 60) -> "Receiver":
         cmd = [venv_tool("gunicorn"), "-b", f"127.0.0.1:{self.port}", "-w", str(self.workers),
                "--no-control-socket", "--backlog", "2048", "ingest.app:create_app()"]
+        if self.threads > 1:
+            cmd[-1:-1] = ["--worker-class", "gthread", "--threads", str(self.threads)]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
