@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ingest-seconds", dest="ingest_s", type=float)
     parser.add_argument("--receiver-workers", type=int, help="gunicorn workers (default 4, as in README)")
     parser.add_argument("--receiver-threads", type=int, help="gunicorn gthread threads per worker (default 1: sync workers)")
+    parser.add_argument("--burst-worker-nice", type=int, help="nice level of the burst's workers (default 0)")
     args = parser.parse_args(argv)
     if args.render:
         from .docs import write
@@ -133,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     opts = Options.make(args.quick, out, levels=args.levels, worker_counts=args.worker_counts,
                         drain_events=args.drain_events, history_events=args.history_events, ingest_s=args.ingest_s,
                         drain_s=args.drain_s, full_drain=args.full_drain,
-                        receiver_workers=args.receiver_workers, receiver_threads=args.receiver_threads)
+                        receiver_workers=args.receiver_workers, receiver_threads=args.receiver_threads,
+                        burst_worker_nice=args.burst_worker_nice)
     names = list(ALL) if args.scenario == "all" else [n.strip() for n in args.scenario.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown or not names:

@@ -152,7 +152,7 @@ class Wrk:
         started = time.time()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            last_check, interrupted_at, usage, status = 0.0, None, None, 0
+            last_check, interrupted_at, last_sigint, usage, status = 0.0, None, 0.0, None, 0
             while usage is None:
                 pid, status, rusage = os.wait4(proc.pid, os.WNOHANG)
                 if pid:
@@ -165,9 +165,14 @@ class Wrk:
                         done = stop_when()
                     if done:
                         proc.send_signal(signal.SIGINT)
-                        interrupted_at = time.monotonic()
-                elif time.monotonic() - interrupted_at > 30:
+                        interrupted_at = last_sigint = time.monotonic()
+                elif time.monotonic() - interrupted_at > 60:
                     os.killpg(proc.pid, signal.SIGKILL)
+                elif time.monotonic() - last_sigint >= 1:
+                    # Until wrk has loaded its requests and installed its handler, SIGINT is
+                    # lost (ignored when this runs as a background job): ask again.
+                    proc.send_signal(signal.SIGINT)
+                    last_sigint = time.monotonic()
                 time.sleep(0.01)
             proc.returncode = os.waitstatus_to_exitcode(status)
         except BaseException:

@@ -339,9 +339,11 @@ class Receiver:
 class WorkerFleet:
     """N ``celery -A workers worker --concurrency 1`` instances: one per "machine" the user adds."""
 
-    def __init__(self, env: dict[str, str], log_dir: Path, *, count: int, queue: str, label: str = "w"):
+    def __init__(self, env: dict[str, str], log_dir: Path, *, count: int, queue: str, label: str = "w",
+                 nice: int = 0):
         self.env = env
         self.count = count
+        self.nice = nice
         self.queue = queue
         self.log_dir = log_dir
         self.label = label
@@ -353,6 +355,8 @@ class WorkerFleet:
             cmd = [venv_tool("celery"), "-A", "workers", "worker", "--concurrency", "1", "--loglevel", "INFO",
                    "-Q", self.queue, "-n", f"{node}@%h", "--without-mingle", "--without-gossip",
                    "--without-heartbeat"]
+            if self.nice:
+                cmd = ["nice", "-n", str(self.nice), *cmd]
             with open(self.log_dir / f"{node}.log", "ab") as log:
                 self.procs.append(subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=log,
                                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
