@@ -22,7 +22,8 @@ point in the ``stripe_ledger.handlers`` group naming that module.
 
 The connection is pipelined (see ``WorkerLedger.applying``): a statement's error
 surfaces at the next read of a result or at COMMIT; a savepoint
-(``ctx.conn.transaction()``) waits for its own statements, to catch one.
+(``ctx.conn.transaction()``) waits for its own statements, to catch one. A
+handler never commits or rolls back ``ctx.conn``: the worker ends the transaction.
 """
 from __future__ import annotations
 
