@@ -112,7 +112,8 @@ class Bench:
 
     def receiver(self) -> Receiver:
         if self._receiver is None:
-            log(f"starting the receiver (gunicorn, {self.opts.receiver_workers} sync workers)")
+            log(f"starting the receiver (gunicorn, "
+                f"{report.receiver_kind(self.opts.receiver_workers, self.opts.receiver_threads)})")
             self._receiver = Receiver(self.env, self.work, workers=self.opts.receiver_workers,
                                       threads=self.opts.receiver_threads)
             self.cleanup.add("receiver", self._receiver.stop)
@@ -607,18 +608,19 @@ def replay(b: Bench) -> dict[str, Any]:
     first, last, replayed = b.db.q("SELECT extract(epoch FROM min(at)), extract(epoch FROM max(at)), count(*)"
                                    " FROM ledger.audit")[0]
     seconds = float(last - first) if replayed > 1 else 0.0
+    live_rps_during = live_during / seconds if seconds else live.rps
     result = {"events": len(events), "replayed": replayed, "exit_code": proc.returncode,
               "seconds": seconds, "events_per_s": replayed / seconds if seconds else 0.0,
               "live_rps_alone": base.rps,
-              "live_rps_during": live_during / seconds if seconds else live.rps,
+              "live_rps_during": live_rps_during,
               "live_rps_wrk_run": live.rps,
               "live_p50_ms_alone": base.p50_ms, "live_p50_ms_during": live.p50_ms,
               "live_p99_ms_alone": base.p99_ms, "live_p99_ms_during": live.p99_ms,
               "live_errors": base.errors + live.errors,
-              "live_slowdown": 1 - (live_during / seconds if seconds else live.rps) / base.rps if base.rps else 0.0,
+              "live_slowdown": 1 - live_rps_during / base.rps if base.rps else 0.0,
               "rate_option": "--rate 1000000 (unthrottled; the default is 50/s)"}
     log(f"  replayed {replayed} in {seconds:.1f}s ({result['events_per_s']:.0f}/s); live ingest "
-        f"{base.rps:.0f} -> {result['live_rps_during']:.0f} req/s (slowdown {100 * result['live_slowdown']:.0f}%)")
+        f"{base.rps:.0f} -> {live_rps_during:.0f} req/s (slowdown {100 * result['live_slowdown']:.0f}%)")
     b.clear()
     return result
 
