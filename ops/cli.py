@@ -436,18 +436,23 @@ def send_test_event(obj: _Context, url: str, path: str | None, print_curl: bool)
     import urllib.error
     import urllib.request
 
-    from ops.factories import body_of, event, new_id, sign
+    import secrets
+
+    import stripe
 
     secret = obj.settings.require_webhook_secrets()[-1]
     if path:
         with open(path, encoding="utf-8") as fh:
             body = fh.read()
     else:
-        customer = new_id("cus")
-        body = body_of(event("customer.created", {"id": customer, "object": "customer",
-                                                  "email": f"{customer}@example.test", "metadata": {}},
-                             created=int(time.time())))
-    header = sign(body, secret)
+        customer, now = f"cus_{secrets.token_hex(12)}", int(time.time())
+        body = json.dumps({
+            "id": f"evt_{secrets.token_hex(12)}", "object": "event", "api_version": "2020-08-27", "created": now,
+            "data": {"object": {"id": customer, "object": "customer", "email": f"{customer}@example.test",
+                                "metadata": {}}},
+            "livemode": False, "pending_webhooks": 1, "request": {"id": None, "idempotency_key": None},
+            "type": "customer.created"}, separators=(",", ":"))
+    header = stripe.WebhookSignature.generate_signature_header(body, secret)
     if print_curl:
         click.echo(f"curl -sS -X POST {shlex.quote(url)} -H 'Content-Type: application/json' "
                    f"-H {shlex.quote('Stripe-Signature: ' + header)} --data-binary {shlex.quote(body)}")

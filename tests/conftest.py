@@ -18,7 +18,7 @@ from pytest_redis import factories as redis_factories
 
 from ledger.config import Settings
 from ledger.migrate import migrate
-from tests.support.pgserver import PrivatePostgres
+from devkit.servers import PrivatePostgres
 
 ADMIN_URL = os.environ.get("TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 FIXTURES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "stripe-fixtures"
@@ -321,7 +321,7 @@ def prepared_ledger(kit) -> PreparedLedger:
     """
     import time as _time
 
-    from ops.factories import SubscriptionHistory, event
+    from devkit.factories import SubscriptionHistory, event
     from tests.support.workers import RecordingWaker
 
     now = int(_time.time())

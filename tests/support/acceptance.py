@@ -1,4 +1,4 @@
-"""The real stack for the acceptance specification (tests/features, tests/test_acceptance_*.py).
+"""The real stack for the acceptance specification (tests/e2e/features, tests/e2e/test_acceptance_ledger.py).
 
 A ``Stack`` is one deployment: a gunicorn receiver, real ``celery worker`` processes
 running a release of the product's handlers (tests/support/acceptance_release*.py),
@@ -21,7 +21,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from ledger.config import Settings
-from ops.stripe_sim import Backoff, StripeSimulator
+from devkit.stripe_sim import Backoff, StripeSimulator
 from tests.support import acceptance_business
 from tests.support.receiver import GunicornReceiver, drop_queue, receiver_env
 from tests.support.workers import CELERY, REPO, WorkerProcess, env_for, pid_alive, run_ledgerctl, wait_for

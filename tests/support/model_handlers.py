@@ -1,4 +1,4 @@
-"""Handlers for the model-based ledger test (tests/test_model_ledger.py), type ``model.effect``.
+"""Handlers for the model-based ledger test (tests/integration/test_model_ledger.py), type ``model.effect``.
 
 The handler writes one row into ``public.test_effects`` (no unique constraint: an
 event applied twice shows up as two rows), then looks up a fault armed for the

@@ -25,7 +25,7 @@ def emit(ctx: ApplyContext) -> None:
 
 # -- helpers shared by the outbox tests ----------------------------------------------------------
 
-# Where each lifecycle event (ops.factories.SubscriptionHistory.lifecycle) changes the customer's
+# Where each lifecycle event (devkit.factories.SubscriptionHistory.lifecycle) changes the customer's
 # entitlements when the events are applied in order: trialing grants the price's features,
 # past_due revokes them, active again grants them, canceled revokes them.
 LIFECYCLE_ENTITLEMENT_CHANGES = (1, 5, 7, 9)

@@ -20,7 +20,7 @@ import psycopg
 import redis
 import stripe
 
-from tests.support.pgserver import free_port
+from devkit.servers import free_port
 
 VENV_BIN = Path(sys.executable).parent
 # A marker put inside every generated payload: no error answer may contain it.

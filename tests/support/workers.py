@@ -228,13 +228,13 @@ class LedgerKit:
                                             load_handlers(settings), waker)
 
     def record(self, evt: dict) -> str:
-        from ops.factories import incoming
+        from devkit.factories import incoming
 
         self.store().record_delivery(incoming(evt))
         return evt["id"]
 
     def record_many(self, evts) -> list[str]:
-        from ops.factories import incoming
+        from devkit.factories import incoming
 
         store = self.store()
         for evt in evts:

@@ -1,0 +1,788 @@
+"""Chaos run: the whole pipeline, real processes, while things keep breaking.
+
+    python -m devkit.chaos --events 5000
+
+Creates a fresh database ``chaos_<random>`` on the shared server (``--admin-url``,
+default ``$TEST_PG_URL`` or postgresql://postgres@127.0.0.1:5432/postgres) and a
+private ``redis-server`` on a free port, and starts a real receiver (gunicorn),
+``--workers`` Celery worker processes and the recovery sweep (``ledgerctl sweep
+--loop``). It then delivers ``--events`` distinct events (subscription lifecycles
+from devkit.factories, plus ``chaos.effect`` events whose handler inserts a row into a
+table without a unique constraint) over HTTP, signed, from several threads, in a
+shuffled order, a fraction of them more than once (some copies at the same moment),
+retrying every non-2xx answer or connection error with backoff, as Stripe does.
+
+Meanwhile, every ``--chaos-interval`` seconds, it does one of: SIGKILL a worker's
+prefork child, SIGKILL a whole worker (and start a new one), FLUSHALL the Redis,
+restart the Redis (empty), pg_terminate_backend the workers' connections
+(application_name 'worker', in the chaos database only), SIGKILL and restart the
+receiver. The workers themselves inject recoverable faults into a fraction
+(``--fault-rate``) of attempts, after the domain writes and in the same
+transaction (devkit/chaos_handlers.py: TransientError, a real lock timeout,
+a real statement timeout), chosen by a hash of the event id and attempt number.
+
+When every delivery is accepted, the chaos stops and the run waits until the
+ledger is quiescent (the sweep re-drives whatever lost its wake-up). Then it
+checks: every event recorded and processed (or failed_permanent with a reason);
+exactly one ``chaos.effect`` row per effect event and one subscription transition
+per subscription event; no row left received / processing / failed_recoverable;
+and billing rows equal to those obtained by applying the same events in created
+order, in-process, to a second fresh database (``chaos_<random>_ref``); and no
+attempt into which a fault was injected committed.
+
+It prints one summary line on stdout (``--json-out FILE`` also writes the result
+as JSON), exits 0 if everything held and 1 otherwise, and drops both databases
+(``--keep`` keeps them and the logs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psycopg
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+HANDLERS = "devkit.chaos_handlers"
+SECRET = "whsec_chaos_0123456789abcdef"
+QUEUE = "chaos"
+ADMIN_URL = os.environ.get("TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+UNFINISHED = ("received", "processing", "failed_recoverable")
+DOMAIN_FAULT_CLASSES = ("TransientError", "LockNotAvailable", "QueryCanceled")
+
+# Billing columns that say what a row is, not when it was written.
+SNAPSHOT = {
+    "customers": "SELECT id, email, name, deleted, livemode, metadata::text, source_event_id, source_event_created "
+                 "FROM billing.customers",
+    "subscriptions": "SELECT id, customer_id, status, price_id, product_id, quantity, cancel_at_period_end, "
+                     "current_period_start, current_period_end, trial_end, canceled_at, ended_at, features, "
+                     "livemode, source_event_id, source_event_created FROM billing.subscriptions",
+    "invoices": "SELECT id, customer_id, subscription_id, status, amount_due, amount_paid, currency, period_start, "
+                "period_end, billing_reason, deleted, livemode, source_event_id, source_event_created "
+                "FROM billing.invoices",
+    "checkout_sessions": "SELECT id, customer_id, subscription_id, client_reference_id, mode, status, "
+                         "payment_status, livemode, source_event_id, source_event_created "
+                         "FROM billing.checkout_sessions",
+    "entitlements": "SELECT customer_id, feature, source FROM billing.entitlements",
+}
+
+
+@dataclass
+class Config:
+    events: int = 300
+    duplicate_rate: float = 0.3
+    fault_rate: float = 0.15
+    workers: int = 2
+    concurrency: int = 2
+    senders: int = 8
+    chaos_interval: tuple[float, float] = (0.3, 1.5)
+    min_chaos_s: float = 20.0
+    quiesce_timeout_s: float | None = None
+    admin_url: str = ADMIN_URL
+    seed: int | None = None
+    keep: bool = False
+    logs_dir: str | None = None  # default: a new temporary directory, removed after a clean run
+    verbose: bool = True
+
+
+@dataclass
+class Result:
+    events: int = 0
+    deliveries: int = 0          # rows in ledger.deliveries: every delivery the receiver recorded
+    http_attempts: int = 0       # every POST, including refused / failed ones
+    non_2xx: dict = field(default_factory=dict)
+    faults_injected: int = 0
+    faults: dict = field(default_factory=dict)
+    lost: int = 0                # events delivered (2xx) but without a ledger row, or never accepted
+    duplicated_effects: int = 0  # effect rows beyond one per event
+    missing_effects: int = 0     # processed events without their effect
+    phantom_effects: int = 0     # effects of events that are not processed
+    faults_swallowed: int = 0    # attempts with an injected fault that committed anyway
+    stuck: int = 0               # rows left received / processing / failed_recoverable
+    processing: int = 0
+    failed: int = 0              # failed_permanent
+    failed_without_reason: int = 0
+    billing_mismatches: int = 0
+    attempts: dict = field(default_factory=dict)
+    elapsed_s: float = 0.0
+    seed: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not (self.lost or self.duplicated_effects or self.missing_effects or self.phantom_effects
+                    or self.faults_swallowed or self.stuck or self.failed or self.failed_without_reason
+                    or self.billing_mismatches)
+
+    def line(self) -> str:
+        faults = " ".join(f"{k}={v}" for k, v in sorted(self.faults.items()))
+        return (f"chaos: events={self.events} deliveries={self.deliveries} http_attempts={self.http_attempts} "
+                f"faults_injected={self.faults_injected} ({faults}) lost={self.lost} "
+                f"duplicated_effects={self.duplicated_effects} missing_effects={self.missing_effects} "
+                f"faults_swallowed={self.faults_swallowed} "
+                f"stuck={self.stuck} failed={self.failed} billing_mismatches={self.billing_mismatches} "
+                f"elapsed={self.elapsed_s:.0f}s seed={self.seed} {'OK' if self.ok else 'FAILED'}")
+
+
+def log(cfg: Config, message: str) -> None:
+    if cfg.verbose:
+        print(f"[chaos {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def with_db(url: str, name: str) -> str:
+    return url.rsplit("/", 1)[0] + "/" + name
+
+
+# -- events -------------------------------------------------------------------------------
+
+def build_events(n: int, rng: random.Random) -> list[dict]:
+    """n distinct events: about two thirds subscription lifecycles, the rest chaos.effect events."""
+    from devkit.factories import BASIL_API, OLD_API, SubscriptionHistory, event
+
+    events: list[dict] = []
+    target = n * 2 // 3
+    while len(events) < target:
+        history = SubscriptionHistory(api_version=rng.choice([OLD_API, BASIL_API]),
+                                      start=1_700_000_000 + rng.randrange(1_000_000)).lifecycle()
+        events.extend(history.events[: target - len(events)])
+    k = 0
+    while len(events) < n:
+        events.append(event("chaos.effect", {"id": f"chaos_{k}", "object": "chaos"},
+                            created=1_700_000_000 + rng.randrange(1_000_000)))
+        k += 1
+    return events
+
+
+def delivery_plan(events: list[dict], rng: random.Random, duplicate_rate: float) -> list[int]:
+    """Indices into events, one per delivery: shuffled, a fraction of the events two or three times,
+    half of those with two copies side by side (two senders pick them up at the same moment)."""
+    units: list[list[int]] = []
+    for i in range(len(events)):
+        copies = 1
+        if rng.random() < duplicate_rate:
+            copies += 1 + (rng.random() < 0.3)
+        if copies >= 2 and rng.random() < 0.5:
+            units.append([i, i])
+            copies -= 2
+        units.extend([i] for _ in range(copies))
+    rng.shuffle(units)
+    return [i for unit in units for i in unit]
+
+
+# -- processes ----------------------------------------------------------------------------
+
+class Proc:
+    """A child in a process group of its own; kill() SIGKILLs the whole group."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict, log_path: Path):
+        self.name, self.cmd, self.env, self.log_path = name, cmd, env, log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "Proc":
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def children(self) -> list[int]:
+        if self.proc is None:
+            return []
+        try:
+            return [int(p) for p in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            return []
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def kill(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def wait_until(check, timeout_s: float, what: str, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+class Stack:
+    def __init__(self, cfg: Config, database_url: str, workdir: Path):
+        self.cfg = cfg
+        self.database_url = database_url
+        self.workdir = workdir
+        self.redis_port = free_port()
+        self.receiver_port = free_port()
+        self.broker_url = f"redis://127.0.0.1:{self.redis_port}/0"
+        self.redis: Proc | None = None
+        self.receiver: Proc | None = None
+        self.sweep: Proc | None = None
+        self.workers: list[Proc] = []
+        self._n = 0
+
+    # environment of every child: the variables the pipeline reads are ours alone
+    def env(self) -> dict[str, str]:
+        owned = ("DATABASE_URL", "CELERY_BROKER_URL", "LEDGER_", "DB_", "BROKER_", "STRIPE_", "LOG_LEVEL",
+                 "CHAOS_", "OUTBOX_", "PROMETHEUS_MULTIPROC_DIR", "METRICS_PORT")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(owned)}
+        env.update({
+            "DATABASE_URL": self.database_url, "CELERY_BROKER_URL": self.broker_url,
+            "STRIPE_WEBHOOK_SECRET": SECRET, "LEDGER_QUEUE": QUEUE, "LEDGER_HANDLER_MODULES": HANDLERS,
+            "LEDGER_LEASE_S": "6", "LEDGER_MAX_ATTEMPTS": "30", "LEDGER_RETRY_BASE_S": "0.1",
+            "LEDGER_RETRY_CAP_S": "2", "LEDGER_SWEEP_OVERDUE_S": "2", "LEDGER_SWEEP_INTERVAL_S": "1",
+            "LEDGER_SWEEP_BATCH": "500", "LOG_LEVEL": "WARNING", "CHAOS_FAULT_RATE": str(self.cfg.fault_rate),
+            "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
+        })
+        return env
+
+    def _log(self, name: str) -> Path:
+        return self.workdir / f"{name}.log"
+
+    # redis
+    def start_redis(self) -> None:
+        import redis
+
+        server = shutil.which("redis-server") or "/usr/bin/redis-server"
+        self.redis = Proc("redis", [server, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
+                                    "--appendonly", "no", "--protected-mode", "no", "--databases", "2"],
+                          self.env(), self._log("redis")).start()
+
+        def pong():
+            try:
+                with redis.Redis(port=self.redis_port, socket_connect_timeout=1) as client:
+                    return client.ping()
+            except redis.RedisError:
+                if not self.redis.alive:
+                    raise RuntimeError(f"redis-server exited:\n{self.redis.log()[-2000:]}")
+                return False
+        wait_until(pong, 30, "redis-server to answer")
+
+    def flush_redis(self) -> None:
+        import redis
+
+        with redis.Redis(port=self.redis_port, socket_connect_timeout=2, socket_timeout=5) as client:
+            client.flushall()
+
+    def restart_redis(self, outage_s: float) -> None:
+        self.redis.kill()
+        time.sleep(outage_s)
+        self.start_redis()
+
+    # receiver
+    def start_receiver(self) -> None:
+        cmd = [str(BIN / "gunicorn"), "-b", f"127.0.0.1:{self.receiver_port}", "-w", "2", "--no-control-socket",
+               "ingest.app:create_app()"]
+        self.receiver = Proc("receiver", cmd, self.env(), self._log("receiver")).start()
+
+        def healthy():
+            if not self.receiver.alive:
+                raise RuntimeError(f"receiver exited:\n{self.receiver.log()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.receiver_port}/healthz", timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+        wait_until(healthy, 60, "the receiver to answer /healthz")
+
+    def restart_receiver(self) -> None:
+        self.receiver.kill()
+        self.start_receiver()
+
+    # workers
+    def start_worker(self) -> Proc:
+        self._n += 1
+        node = f"chaos{self._n}-{uuid.uuid4().hex[:6]}"
+        cmd = [str(BIN / "celery"), "-A", "workers", "worker", "--pool=prefork", "-c", str(self.cfg.concurrency),
+               "--loglevel=INFO", "-Q", QUEUE, "-n", f"{node}@%h", "--without-mingle", "--without-gossip",
+               "--without-heartbeat"]
+        worker = Proc(node, cmd, self.env(), self._log(node)).start()
+        self.workers.append(worker)
+        return worker
+
+    def live_workers(self) -> list[Proc]:
+        self.workers = [w for w in self.workers if w.alive]
+        return self.workers
+
+    def top_up_workers(self) -> int:
+        started = 0
+        while len(self.live_workers()) < self.cfg.workers:
+            self.start_worker()
+            started += 1
+        return started
+
+    def start_sweep(self) -> None:
+        self.sweep = Proc("sweep", [str(BIN / "ledgerctl"), "sweep", "--loop"], self.env(), self._log("sweep")).start()
+
+    def close(self) -> None:
+        for proc in [*self.workers, self.sweep, self.receiver, self.redis]:
+            if proc is not None:
+                proc.kill()
+
+
+# -- delivering -----------------------------------------------------------------------------
+
+class Sender:
+    """Delivers bodies like Stripe: signed, retried with backoff on any non-2xx or connection error."""
+
+    def __init__(self, stack: Stack, give_up_after_s: float):
+        self.stack = stack
+        self.give_up_after_s = give_up_after_s
+        self.lock = threading.Lock()
+        self.http_attempts = 0
+        self.accepted = 0
+        self.non_2xx: Counter = Counter()
+        self.undelivered: list[str] = []
+
+    def deliver(self, event_id: str, body: str) -> None:
+        from devkit.factories import sign
+
+        data = body.encode()
+        delay = 0.1
+        started = time.monotonic()
+        while True:
+            status: int | str
+            try:
+                headers = {"Content-Type": "application/json", "Stripe-Signature": sign(body, SECRET, int(time.time()))}
+                request = urllib.request.Request(f"http://127.0.0.1:{self.stack.receiver_port}/webhooks/stripe",
+                                                 data=data, headers=headers, method="POST")
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    status = response.status
+            except urllib.error.HTTPError as exc:
+                status = exc.code
+            except OSError as exc:
+                status = type(exc).__name__
+            with self.lock:
+                self.http_attempts += 1
+                if isinstance(status, int) and 200 <= status < 300:
+                    self.accepted += 1
+                    return
+                self.non_2xx[str(status)] += 1
+            if time.monotonic() - started > self.give_up_after_s:
+                with self.lock:
+                    self.undelivered.append(event_id)
+                return
+            time.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, 5.0)
+
+
+# -- faults ---------------------------------------------------------------------------------
+
+class Chaos(threading.Thread):
+    ACTIONS = (("kill_worker_child", 4), ("kill_worker", 2), ("flush_redis", 1), ("restart_redis", 1),
+               ("terminate_pg_backends", 3), ("restart_receiver", 1))
+
+    def __init__(self, cfg: Config, stack: Stack, rng: random.Random):
+        super().__init__(daemon=True, name="chaos")
+        self.cfg, self.stack, self.rng = cfg, stack, rng
+        self.stop = threading.Event()
+        self.counts: Counter = Counter()
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        names = [a for a, _ in self.ACTIONS]
+        weights = [w for _, w in self.ACTIONS]
+        while not self.stop.wait(self.rng.uniform(*self.cfg.chaos_interval)):
+            action = self.rng.choices(names, weights)[0]
+            try:
+                if getattr(self, action)():
+                    self.counts[action] += 1
+            except Exception as exc:  # a fault that failed to happen is reported, not fatal
+                self.errors.append(f"{action}: {type(exc).__name__}: {exc}")
+            self.stack.top_up_workers()
+
+    def kill_worker_child(self) -> bool:
+        children = [(w, pid) for w in self.stack.live_workers() for pid in w.children()]
+        if not children:
+            return False
+        _, pid = self.rng.choice(children)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def kill_worker(self) -> bool:
+        live = self.stack.live_workers()
+        if not live:
+            return False
+        self.rng.choice(live).kill()
+        self.stack.top_up_workers()
+        return True
+
+    def flush_redis(self) -> bool:
+        self.stack.flush_redis()
+        return True
+
+    def restart_redis(self) -> bool:
+        self.stack.restart_redis(outage_s=self.rng.uniform(0.2, 2.0))
+        return True
+
+    def terminate_pg_backends(self) -> bool:
+        with psycopg.connect(self.stack.database_url, autocommit=True, application_name="chaos-harness") as conn:
+            n = conn.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND application_name = 'worker'"
+                " AND pid <> pg_backend_pid()").fetchone()[0]
+        return n > 0
+
+    def restart_receiver(self) -> bool:
+        self.stack.restart_receiver()
+        return True
+
+
+# -- checking -----------------------------------------------------------------------------
+
+def ledger_counts(url: str) -> dict[str, int]:
+    with psycopg.connect(url, autocommit=True) as conn:
+        return dict(conn.execute("SELECT status, count(*) FROM ledger.events GROUP BY status").fetchall())
+
+
+def reference_snapshot(events: list[dict], url: str) -> dict[str, set]:
+    """Apply every event once, in created order, in-process, on a fresh database; its billing rows."""
+    from ledger.config import Settings
+    from ledger.db import ProcessPool
+    from ledger.store import EventStore, WorkerLedger
+    from devkit.factories import incoming
+    from workers.processor import EventProcessor, Outcome
+    from workers.registry import load_handlers
+
+    os.environ.pop("CHAOS_FAULT_RATE", None)  # no faults here
+    settings = Settings(database_url=url, broker_url="memory://", handler_modules=(HANDLERS,), lease_s=60)
+    pool = ProcessPool(settings, name="chaos-reference")
+    try:
+        store = EventStore(pool)
+        processor = EventProcessor.from_settings(settings, WorkerLedger(pool), load_handlers(settings), None)
+        for evt in sorted(events, key=lambda e: (e["created"], e["id"])):
+            store.record_delivery(incoming(evt))
+            outcome = processor.process(evt["id"])
+            if outcome is not Outcome.PROCESSED:
+                raise RuntimeError(f"reference run: {evt['id']} ({evt['type']}) ended {outcome}")
+    finally:
+        pool.close()
+    return billing_snapshot(url)
+
+
+def billing_snapshot(url: str) -> dict[str, set]:
+    with psycopg.connect(url, autocommit=True) as conn:
+        return {name: {tuple(map(str, row)) for row in conn.execute(sql).fetchall()} for name, sql in SNAPSHOT.items()}
+
+
+def check(events: list[dict], url: str, reference: dict[str, set], result: Result, fault_rate: float) -> list[str]:
+    """Fill the result's counters; return human-readable details of every problem."""
+    from devkit.chaos_handlers import fault_for
+
+    problems: list[str] = []
+    ids = [e["id"] for e in events]
+    effect_ids = {e["id"] for e in events if e["type"] == "chaos.effect"}
+    subscription_ids = {e["id"] for e in events if e["type"].startswith("customer.subscription.")}
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = {r[0]: r[1:] for r in conn.execute(
+            "SELECT id, status, failure_reason FROM ledger.events WHERE id = ANY(%s)", (ids,)).fetchall()}
+        extra = conn.execute("SELECT count(*) FROM ledger.events WHERE NOT (id = ANY(%s))", (ids,)).fetchone()[0]
+        effects = dict(conn.execute("SELECT event_id, count(*) FROM public.chaos_effects GROUP BY event_id").fetchall())
+        transitions = dict(conn.execute(
+            "SELECT event_id, count(*) FROM billing.subscription_transitions GROUP BY event_id").fetchall())
+        result.deliveries = conn.execute("SELECT count(*) FROM ledger.deliveries").fetchone()[0]
+        result.attempts = dict(conn.execute("SELECT outcome, count(*) FROM ledger.attempts GROUP BY outcome").fetchall())
+        domain = dict(conn.execute("SELECT error_class, count(*) FROM ledger.attempts WHERE error_class = ANY(%s)"
+                                   " GROUP BY error_class", (list(DOMAIN_FAULT_CLASSES),)).fetchall())
+        committed = conn.execute("SELECT event_id, attempt FROM ledger.attempts WHERE outcome = 'processed'").fetchall()
+    result.faults.update({f"domain_{k}": v for k, v in domain.items()})
+    # The workers fail exactly the attempts fault_for() picks: none of those may have committed.
+    swallowed = [(e, a) for e, a in committed if fault_rate and fault_for(e, a, fault_rate)]
+    result.faults_swallowed = len(swallowed)
+    if swallowed:
+        problems.append(f"attempts with an injected fault that committed as processed: {swallowed[:10]}")
+    if extra:
+        problems.append(f"{extra} ledger rows for ids that were never sent")
+    missing_rows = [i for i in ids if i not in rows]
+    result.lost = len(missing_rows)
+    if missing_rows:
+        problems.append(f"lost (no ledger row): {missing_rows[:10]}")
+    statuses = Counter(status for status, _ in rows.values())
+    result.stuck = sum(statuses[s] for s in UNFINISHED)
+    result.processing = statuses["processing"]
+    result.failed = statuses["failed_permanent"]
+    result.failed_without_reason = sum(1 for s, r in rows.values() if s.startswith("failed_") and not r)
+    if result.stuck:
+        problems.append("stuck: " + ", ".join([f"{i} {rows[i][0]}" for i in ids
+                                               if i in rows and rows[i][0] in UNFINISHED][:10]))
+    if result.failed:
+        problems.append("failed_permanent: " + ", ".join([f"{i} {r}" for i, (s, r) in rows.items()
+                                                          if s == "failed_permanent"][:10]))
+    for name, counted, expected_ids in (("chaos_effects", effects, effect_ids),
+                                        ("subscription_transitions", transitions, subscription_ids)):
+        processed = {i for i in expected_ids if rows.get(i, ("",))[0] == "processed"}
+        dup = {i: n for i, n in counted.items() if n > 1}
+        result.duplicated_effects += sum(n - 1 for n in dup.values())
+        missing = processed - set(counted)
+        phantom = set(counted) - processed
+        result.missing_effects += len(missing)
+        result.phantom_effects += len(phantom)
+        if dup:
+            problems.append(f"{name}: applied more than once: {list(dup.items())[:10]}")
+        if missing:
+            problems.append(f"{name}: processed without its effect: {sorted(missing)[:10]}")
+        if phantom:
+            problems.append(f"{name}: effect of an event that is not processed: {sorted(phantom)[:10]}")
+    actual = billing_snapshot(url)
+    for name in SNAPSHOT:
+        differ = actual[name] ^ reference[name]
+        if differ:
+            result.billing_mismatches += len(differ)
+            only_chaos = sorted(actual[name] - reference[name])[:3]
+            only_ref = sorted(reference[name] - actual[name])[:3]
+            problems.append(f"billing.{name}: {len(differ)} rows differ from the in-order run; "
+                            f"chaos run only: {only_chaos}; in-order only: {only_ref}")
+    return problems
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+def create_database(admin_url: str, name: str) -> str:
+    from ledger.migrate import migrate
+    from devkit.chaos_handlers import TABLES_DDL
+
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = with_db(admin_url, name)
+    migrate(url)
+    with psycopg.connect(url, autocommit=True) as conn:
+        for ddl in TABLES_DDL:
+            conn.execute(ddl)
+    return url
+
+
+def drop_database(admin_url: str, name: str) -> None:
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def run(cfg: Config) -> tuple[Result, list[str]]:
+    from devkit.factories import body_of
+
+    started = time.monotonic()
+    seed = cfg.seed if cfg.seed is not None else random.randrange(2 ** 32)
+    rng = random.Random(seed)
+    result = Result(events=cfg.events, seed=seed)
+    tag = uuid.uuid4().hex[:10]
+    name, ref_name = f"chaos_{tag}", f"chaos_{tag}_ref"
+    if cfg.logs_dir:
+        workdir = Path(cfg.logs_dir)
+        workdir.mkdir(parents=True, exist_ok=True)
+    else:
+        workdir = Path(tempfile.mkdtemp(prefix=f"chaos-{tag}-"))
+    quiesce_timeout_s = cfg.quiesce_timeout_s or 600 + 0.5 * cfg.events
+    problems: list[str] = []
+    stack: Stack | None = None
+    chaos: Chaos | None = None
+    lock_holder = None
+    created: list[str] = []
+    try:
+        url = create_database(cfg.admin_url, name)
+        created.append(name)
+        ref_url = create_database(cfg.admin_url, ref_name)
+        created.append(ref_name)
+        log(cfg, f"databases {name}, {ref_name}; logs in {workdir}; seed {seed}")
+        # Held for the whole run: the lock-timeout fault waits on this row.
+        lock_holder = psycopg.connect(url, application_name="chaos-harness")
+        lock_holder.execute("SELECT id FROM public.chaos_lock WHERE id = 1 FOR UPDATE")
+
+        events = build_events(cfg.events, rng)
+        plan = delivery_plan(events, rng, cfg.duplicate_rate)
+        bodies = [body_of(e) for e in events]
+
+        stack = Stack(cfg, url, workdir)
+        stack.start_redis()
+        stack.start_receiver()
+        for _ in range(cfg.workers):
+            stack.start_worker()
+        for worker in list(stack.workers):
+            def ready(w=worker):
+                if not w.alive:
+                    raise RuntimeError(f"worker {w.name} exited:\n{w.log()[-3000:]}")
+                return " ready." in w.log()
+            wait_until(ready, 120, f"worker {worker.name} to be ready")
+        stack.start_sweep()
+        log(cfg, f"stack up: redis :{stack.redis_port}, receiver :{stack.receiver_port}, "
+                 f"{cfg.workers} workers x {cfg.concurrency}; delivering {len(plan)} deliveries of {len(events)} events")
+
+        chaos = Chaos(cfg, stack, random.Random(rng.random()))
+        chaos.start()
+        chaos_started = time.monotonic()
+        sender = Sender(stack, give_up_after_s=quiesce_timeout_s)
+        work: queue.Queue = queue.Queue()
+        for k, i in enumerate(plan):
+            work.put((k, i))
+        # Deliveries are spread over at least most of the chaos period, so faults hit them too.
+        pace_s = 0.8 * cfg.min_chaos_s / len(plan)
+        t0 = time.monotonic()
+
+        def send_all():
+            while True:
+                try:
+                    k, i = work.get_nowait()
+                except queue.Empty:
+                    return
+                wait = t0 + k * pace_s - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                sender.deliver(events[i]["id"], bodies[i])
+
+        senders = [threading.Thread(target=send_all, daemon=True) for _ in range(cfg.senders)]
+        for t in senders:
+            t.start()
+        while any(t.is_alive() for t in senders):
+            for t in senders:
+                t.join(10)
+            counts = ledger_counts(url)
+            log(cfg, f"delivered {sender.accepted}/{len(plan)} (http {sender.http_attempts}); ledger {counts}; "
+                     f"faults {dict(chaos.counts)}")
+        remaining = cfg.min_chaos_s - (time.monotonic() - chaos_started)
+        if remaining > 0:
+            time.sleep(remaining)
+        chaos.stop.set()
+        chaos.join(120)
+        stack.top_up_workers()
+        if not stack.sweep.alive:
+            stack.start_sweep()
+        log(cfg, f"chaos stopped after {time.monotonic() - chaos_started:.0f}s: {dict(chaos.counts)}; waiting for quiescence")
+
+        deadline = time.monotonic() + quiesce_timeout_s
+        last_report = 0.0
+        while True:
+            counts = ledger_counts(url)
+            if sum(counts.values()) >= len(events) and not any(counts.get(s) for s in UNFINISHED):
+                break
+            if time.monotonic() > deadline:
+                problems.append(f"not quiescent after {quiesce_timeout_s:.0f}s: {counts}")
+                break
+            stack.top_up_workers()
+            if not stack.sweep.alive:
+                stack.start_sweep()
+            if time.monotonic() - last_report > 10:
+                log(cfg, f"ledger {counts}")
+                last_report = time.monotonic()
+            time.sleep(0.5)
+        log(cfg, f"quiescent: {ledger_counts(url)}; applying the same events in order on {ref_name}")
+
+        result.http_attempts = sender.http_attempts
+        result.non_2xx = dict(sender.non_2xx)
+        result.faults = dict(chaos.counts)
+        if sender.undelivered:
+            problems.append(f"never accepted by the receiver: {sender.undelivered[:10]}")
+        if chaos.errors:
+            log(cfg, f"faults that could not be injected: {chaos.errors[:5]}")
+        reference = reference_snapshot(events, ref_url)
+        problems += check(events, url, reference, result, cfg.fault_rate)
+        result.lost += len(sender.undelivered)
+        result.faults_injected = sum(result.faults.values())
+    finally:
+        if chaos is not None:
+            chaos.stop.set()
+            chaos.join(60)
+        if stack is not None:
+            stack.close()
+        if lock_holder is not None:
+            lock_holder.close()
+        result.elapsed_s = time.monotonic() - started
+        failed = bool(problems) or not result.ok
+        if not cfg.keep:
+            for db in created:
+                try:
+                    drop_database(cfg.admin_url, db)
+                except Exception as exc:  # reported, the run's result stands
+                    log(cfg, f"could not drop {db}: {exc}")
+            if not failed and not cfg.logs_dir:
+                shutil.rmtree(workdir, ignore_errors=True)
+        if failed or cfg.keep or cfg.logs_dir:
+            log(cfg, f"logs in {workdir}")
+    return result, problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m devkit.chaos", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--events", type=int, default=300, help="distinct events to deliver (default 300)")
+    parser.add_argument("--duplicates", type=float, default=0.3, help="fraction of events delivered more than once")
+    parser.add_argument("--fault-rate", type=float, default=0.15, help="fraction of attempts failed on purpose")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    parser.add_argument("--concurrency", type=int, default=2, help="prefork children per worker (default 2)")
+    parser.add_argument("--senders", type=int, default=8, help="concurrent HTTP senders (default 8)")
+    parser.add_argument("--chaos-interval", type=float, nargs=2, default=(0.3, 1.5), metavar=("MIN", "MAX"),
+                        help="seconds between faults (uniform)")
+    parser.add_argument("--min-chaos-s", type=float, default=20.0,
+                        help="keep breaking things at least this long; deliveries are spread over most of it")
+    parser.add_argument("--quiesce-timeout-s", type=float, default=None)
+    parser.add_argument("--admin-url", default=ADMIN_URL, help="a database URL on the server to create databases on")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--keep", action="store_true", help="keep the databases and logs")
+    parser.add_argument("--logs-dir", help="write the processes' logs here (kept); default: a temporary "
+                                           "directory, removed unless the run fails")
+    parser.add_argument("--json-out", help="also write the result as JSON to this file")
+    parser.add_argument("--quiet", action="store_true", help="only the summary line")
+    args = parser.parse_args(argv)
+    if args.events < 1 or args.workers < 1:
+        parser.error("--events and --workers must be at least 1")
+    cfg = Config(events=args.events, duplicate_rate=args.duplicates, fault_rate=args.fault_rate,
+                 workers=args.workers, concurrency=args.concurrency, senders=args.senders,
+                 chaos_interval=tuple(args.chaos_interval), min_chaos_s=args.min_chaos_s,
+                 quiesce_timeout_s=args.quiesce_timeout_s, admin_url=args.admin_url, seed=args.seed,
+                 keep=args.keep, logs_dir=args.logs_dir, verbose=not args.quiet)
+    def stop(signum, _frame):  # so that `finally` stops every process we started and drops the databases
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, stop)
+    result, problems = run(cfg)
+    for problem in problems:
+        print(f"[chaos] PROBLEM: {problem}", file=sys.stderr)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({**asdict(result), "ok": result.ok and not problems,
+                                                   "problems": problems, "summary": result.line()}, indent=2))
+    print(result.line(), flush=True)
+    return 0 if result.ok and not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

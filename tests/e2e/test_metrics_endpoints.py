@@ -1,0 +1,204 @@
+"""Prometheus endpoints of real processes: the receiver (gunicorn, 2 workers), a Celery worker (prefork,
+2 children) and ``ledgerctl sweep --loop``, each with the series it promises and values that match what
+the test made happen.
+
+Every process runs in a process group of its own and is SIGKILLed with its group at teardown.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from devkit.factories import body_of, event, sign
+from tests.conftest import WEBHOOK_SECRET
+from devkit.servers import free_port
+from tests.support.receiver import WakeupQueue, receiver_env
+from tests.support.workers import LEDGERCTL, REPO, env_for, wait_for
+from workers.app import make_celery
+from workers.wakeup import Waker
+
+pytestmark = pytest.mark.e2e
+
+
+def scrape(port: int) -> str | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            assert response.status == 200
+            return response.read().decode()
+    except (urllib.error.URLError, ConnectionError):
+        return None
+
+
+def samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """Every sample of an exposition: (sample name, labels) -> value."""
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(found: dict, name: str, **labels: str) -> float | None:
+    return found.get((name, frozenset(labels.items())))
+
+
+def scrape_until(port: int, expected: dict[tuple, float], what: str) -> dict:
+    """Scrape until every expected (name, labels) sample has its value; the last scrape's samples."""
+    last: dict = {}
+
+    def matches():
+        nonlocal last
+        text = scrape(port)
+        if text is None:
+            return False
+        last = samples(text)
+        return all(last.get((name, frozenset(labels))) == v for (name, labels), v in expected.items())
+
+    try:
+        wait_for(matches, timeout_s=30, interval_s=0.1, what=what)
+    except AssertionError:
+        wrong = {k: (last.get((k[0], frozenset(k[1]))), v) for k, v in expected.items()
+                 if last.get((k[0], frozenset(k[1]))) != v}
+        raise AssertionError(f"{what}: (found, expected) {wrong}") from None
+    return last
+
+
+def key(name: str, **labels: str) -> tuple[str, tuple]:
+    return name, tuple(sorted(labels.items()))
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    """Start a command in a process group of its own (output to a log file); SIGKILL the group at teardown."""
+    started: list[subprocess.Popen] = []
+
+    def start(cmd: list[str], env: dict[str, str], name: str) -> subprocess.Popen:
+        log = open(tmp_path / f"{name}.log", "wb")
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+
+def test_the_receiver_counts_requests_duplicates_and_latency_across_its_workers(
+        broker_settings, start_receiver, tmp_path):
+    multiproc = tmp_path / "prometheus-receiver"
+    multiproc.mkdir()
+    receiver = start_receiver(receiver_env(broker_settings.database_url, broker_settings.broker_url, WEBHOOK_SECRET,
+                                           LEDGER_QUEUE=broker_settings.queue_name,
+                                           PROMETHEUS_MULTIPROC_DIR=str(multiproc)), workers=2)
+    bodies = [body_of(event("test.effect", {"id": f"obj_{n}"}, created=int(time.time()))) for n in range(3)]
+    for body in [*bodies, bodies[0]]:  # the last one: Stripe delivers the first event again
+        answer = receiver.post(body.encode(), {"Stripe-Signature": sign(body, WEBHOOK_SECRET)})
+        assert answer.status_code == 200, answer.body
+    forged = receiver.post(bodies[1].encode(), {"Stripe-Signature": sign(bodies[1], "whsec_someone_else_123")})
+    assert forged.status_code == 400
+
+    found = scrape_until(receiver.port, {
+        key("ingest_requests_total", outcome="received"): 3,
+        key("ingest_requests_total", outcome="duplicate"): 1,
+        key("ingest_requests_total", outcome="invalid_signature"): 1,
+        key("ingest_duplicates_total", status="received"): 1,
+        key("ingest_request_seconds_count"): 5,
+        key("ingest_request_seconds_bucket", le="+Inf"): 5,
+    }, "the receiver's metrics")
+    assert value(found, "ingest_request_seconds_sum") > 0
+    buckets = sorted((float(dict(labels)["le"]), v) for (name, labels), v in found.items()
+                     if name == "ingest_request_seconds_bucket")
+    assert len(buckets) > 5 and [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
+    assert value(found, "ingest_wakeups_failed_total") == 0
+
+
+def test_a_worker_serves_attempt_retry_and_rescue_metrics_summed_over_its_children(
+        kit, broker_settings, configured_worker_factory, tmp_path):
+    settings = broker_settings
+    multiproc = tmp_path / "prometheus-worker"
+    multiproc.mkdir()
+    port = free_port()
+    configured_worker_factory(settings, concurrency=2, env={"METRICS_PORT": str(port),
+                                                            "PROMETHEUS_MULTIPROC_DIR": str(multiproc)})
+    at = int(time.time())
+    ids = {
+        "effect": [kit.record(event("test.effect", {"id": f"obj_{n}"}, created=at)) for n in range(2)],
+        "flaky": [kit.record(event("test.flaky", {"id": "obj_flaky", "succeed_on_attempt": 2}, created=at))],
+        "unsupported": [kit.record(event("test.nohandler", {"id": "obj_none"}, created=at))],
+        "permanent": [kit.record(event("test.permanent", {"id": "obj_perm"}, created=at))],
+        "rescued": [kit.record(event("test.effect", {"id": "obj_rescued"}, created=at))],
+    }
+    # A worker claimed this one and died: its lease has run out.
+    [rescued] = ids["rescued"]
+    assert kit.ledger("dead-worker").claim(rescued, worker="dead:1", lease_s=30) is not None
+    kit.execute("UPDATE ledger.events SET lease_expires_at = now() - interval '1 second' WHERE id = %s", (rescued,))
+
+    celery = make_celery(settings, publisher_only=True)
+    try:
+        waker = Waker(celery)
+        for evt_id in [i for group in ids.values() for i in group]:
+            assert waker.wake(evt_id)
+    finally:
+        celery.close()
+    for evt_id in ids["effect"] + ids["flaky"] + ids["rescued"]:
+        kit.wait_status(evt_id, "processed")
+    for evt_id in ids["unsupported"] + ids["permanent"]:
+        kit.wait_status(evt_id, "failed_permanent")
+    assert kit.attempts(rescued)[0]["outcome"] == "lease_expired"
+
+    found = scrape_until(port, {
+        key("worker_attempts_total", type="test.effect", outcome="processed", reason=""): 3,
+        key("worker_attempts_total", type="test.flaky", outcome="failed_recoverable", reason="transient"): 1,
+        key("worker_attempts_total", type="test.flaky", outcome="processed", reason=""): 1,
+        key("worker_attempts_total", type="test.nohandler", outcome="failed_permanent",
+            reason="unsupported_type"): 1,
+        key("worker_attempts_total", type="test.permanent", outcome="failed_permanent",
+            reason="rejected_by_handler"): 1,
+        key("worker_retries_scheduled_total", type="test.flaky", reason="transient"): 1,
+        key("worker_attempt_seconds_count", type="test.effect"): 3,
+        key("worker_attempt_seconds_count", type="test.flaky"): 2,
+        key("worker_attempt_seconds_bucket", type="test.flaky", le="+Inf"): 2,
+        key("worker_lease_rescues_total"): 1,
+    }, "the worker's metrics")
+    assert value(found, "worker_attempt_seconds_sum", type="test.effect") > 0
+    assert sum(v for (name, _), v in found.items() if name == "worker_attempts_total") == 7
+    assert any(f.startswith("counter_") for f in os.listdir(multiproc)), "children did not write to the dir"
+
+
+def test_the_sweep_loop_serves_ledger_gauges_and_its_redrives(prepared_ledger, kit, broker_settings, spawn):
+    # Every unfinished event's wake-up is an hour old: the ones that could run now are overdue.
+    kit.execute("UPDATE ledger.events SET wakeup_at = now() - interval '1 hour' "
+                "WHERE status IN ('received', 'processing', 'failed_recoverable')")
+    groups = prepared_ledger.groups
+    runnable = sorted(groups["received"] + groups["due_retry"] + groups["expired_lease"])
+    settings = dataclasses.replace(broker_settings, sweep_overdue_s=600)  # one re-drive each, never a second
+    port = free_port()
+    env = env_for(settings, extra={"METRICS_PORT": str(port)})
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    spawn([LEDGERCTL, "sweep", "--loop"], env, "sweep")
+
+    expected = {key("ledger_events", status=s): n for s, n in prepared_ledger.by_status().items()}
+    expected.update({key("sweep_redrives_total"): len(runnable), key("ledger_due_retries"): 1,
+                     key("ledger_expired_leases"): 1})
+    found = scrape_until(port, expected, "the sweep's metrics")
+    assert len(runnable) == 4
+    assert {dict(labels)["status"] for (name, labels) in found if name == "ledger_events"} == set(
+        prepared_ledger.by_status())
+    age = value(found, "ledger_oldest_unprocessed_age_seconds")
+    assert 7200 <= age < 3 * 3600
+
+    redriven = kit.query("SELECT id FROM ledger.events WHERE redrives > 0 ORDER BY id")
+    assert [r["id"] for r in redriven] == runnable
+    queue = WakeupQueue(settings.broker_url, settings.queue_name)
+    assert sorted(m["args"][0] for m in queue.messages()) == runnable
