@@ -1,38 +1,57 @@
-"""A private PostgreSQL server for tests that stop or break one.
+"""Private PostgreSQL and Redis servers, started from the installed binaries on free ports.
 
-Started from the installed binaries on a free port, in a temporary directory.
-initdb refuses to run as root, so as root the server runs as the `postgres` user.
+For whatever must not touch the machine's shared servers: tests that stop or
+break a server, the test suite on a machine where none runs, the chaos run,
+the benchmarks and devstack. initdb refuses to run as root, so as root the
+PostgreSQL server runs as the ``postgres`` user, in a directory it owns.
 """
 from __future__ import annotations
 
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
+from typing import Mapping
+
+from devkit.procs import Process, answers, children_of, cpu_seconds, free_port, wait_until
+
+# Throwaway servers for tests: durability buys nothing there.
+TEST_OPTIONS = {"fsync": "off", "max_connections": "200"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _bin(name: str) -> str:
+def pg_bin(name: str) -> str:
+    """A PostgreSQL program: on PATH, or in the newest /usr/lib/postgresql/*/bin (where Debian keeps them)."""
     for candidate in (shutil.which(name), *sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"), reverse=True)):
         if candidate and os.access(candidate, os.X_OK):
             return str(candidate)
-    raise RuntimeError(f"{name} not found")
+    raise RuntimeError(f"{name} not found (install PostgreSQL's server binaries, e.g. apt-get install postgresql)")
+
+
+def with_db(url: str, database: str) -> str:
+    """The same server URL naming another database."""
+    head, _, tail = url.rpartition("/")
+    query = tail.partition("?")[2]
+    return f"{head}/{database}" + (f"?{query}" if query else "")
 
 
 class PrivatePostgres:
-    def __init__(self):
-        self.port = free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix="ledger-pg-"))
+    """A PostgreSQL server of our own.
+
+    ``dir`` keeps the data (``dir/data``) and the log; by default a temporary
+    directory that ``destroy()`` removes. ``options`` are server settings
+    (``-c name=value``); unset, Postgres' defaults (fsync and synchronous_commit on).
+    """
+
+    def __init__(self, *, dir: Path | None = None, port: int | None = None,
+                 options: Mapping[str, str] | None = None):
+        self.port = port or free_port()
+        self.dir = Path(dir) if dir else Path(tempfile.mkdtemp(prefix="ledger-pg-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
         self.data = self.dir / "data"
+        self.log_path = self.dir / "postgres.log"
+        self.options = dict(options or {})
         self._as_postgres = os.geteuid() == 0
         if self._as_postgres:
             entry = pwd.getpwnam("postgres")
@@ -40,35 +59,97 @@ class PrivatePostgres:
 
     @property
     def url(self) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+        return self.url_for("postgres")
 
-    def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    def url_for(self, database: str, user: str = "postgres") -> str:
+        return f"postgresql://{user}@127.0.0.1:{self.port}/{database}"
+
+    def _run(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
         cmd = list(args)
         if self._as_postgres:
             cmd = ["runuser", "-u", "postgres", "--", *cmd]
-        return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=120)
+        return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
 
     def init(self) -> "PrivatePostgres":
-        self._run(_bin("initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync")
+        """initdb, unless ``dir`` already holds a cluster (devstack keeps one between runs)."""
+        if not (self.data / "PG_VERSION").exists():
+            self._run(pg_bin("initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8",
+                      "--no-sync")
         return self
 
-    def start(self) -> None:
-        opts = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
-        self._run(_bin("pg_ctl"), "-D", str(self.data), "-o", opts, "-l", str(self.dir / "log"), "-w", "-t", "60", "start")
+    def start(self) -> "PrivatePostgres":
+        settings = {"port": str(self.port), "unix_socket_directories": str(self.dir),
+                    "listen_addresses": "127.0.0.1", **self.options}
+        opts = " ".join(f"-c {name}={value}" for name, value in settings.items())
+        self._run(pg_bin("pg_ctl"), "-D", str(self.data), "-o", opts, "-l", str(self.log_path), "-w",
+                  "-t", "60", "start")
+        return self
 
     def stop(self, mode: str = "immediate") -> None:
-        self._run(_bin("pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop", check=False)
+        """pg_ctl stop: ``immediate`` is a crash (recovery at the next start), ``fast`` a clean shutdown."""
+        if self.data.exists():
+            self._run(pg_bin("pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "-t", "30", "stop", check=False)
 
     def wait_ready(self, timeout_s: float = 30) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.1)
-        raise TimeoutError("private postgres did not start")
+        wait_until(lambda: answers(self.port), timeout_s=timeout_s, interval_s=0.1,
+                   what="the private PostgreSQL to accept connections")
 
     def destroy(self) -> None:
-        self.stop()
+        """Stop the server and remove its directory."""
+        self.stop("fast")
+        if (self.data / "postmaster.pid").exists():
+            self.stop("immediate")
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def postmaster_pid(self) -> int | None:
+        try:
+            return int((self.data / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def backend_pids(self) -> list[int]:
+        """The postmaster and every process it forked (backends, checkpointer, autovacuum...)."""
+        master = self.postmaster_pid()
+        return [] if master is None else [master, *children_of(master)]
+
+    def cpu_s(self) -> float:
+        """CPU seconds of the whole server so far: live processes, and the backends that exited."""
+        pids = self.backend_pids()
+        if not pids:
+            return 0.0
+        return cpu_seconds(pids[0], reaped_children=True) + sum(cpu_seconds(p) for p in pids[1:])
+
+
+class PrivateRedis(Process):
+    """``redis-server`` on a free port, nothing persisted (like the machine's own)."""
+
+    def __init__(self, log_path: Path, *, port: int | None = None, databases: int = 16):
+        self.port = port or free_port()
+        server = shutil.which("redis-server") or "/usr/bin/redis-server"
+        super().__init__("redis", [server, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                   "--appendonly", "no", "--protected-mode", "no", "--daemonize", "no",
+                                   "--databases", str(databases), "--dir", str(Path(log_path).parent)],
+                         os.environ, log_path)
+
+    def url_for(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    @property
+    def url(self) -> str:
+        return self.url_for(0)
+
+    def start(self, timeout_s: float = 30) -> "PrivateRedis":
+        super().start()
+
+        def pong() -> bool:
+            self.ensure_alive()
+            return answers(self.port)
+        wait_until(pong, timeout_s=timeout_s, what="the private redis-server to answer")
+        return self
+
+    def flush(self) -> None:
+        import redis
+
+        with redis.Redis(port=self.port, socket_connect_timeout=2, socket_timeout=5) as client:
+            client.flushall()

@@ -1,0 +1,132 @@
+"""The product's own processes, started as README runs them: receiver, workers, sweep.
+
+Each is a ``devkit.procs.Process`` (a process group of its own, a log file).
+The environment they get comes from ``stack_env``: the variables the pipeline
+reads are set by the caller alone, never inherited from the shell that runs
+the tests or the benchmark.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from devkit.procs import REPO, Process, free_port, venv_tool, wait_until
+
+# Prefixes of the variables the pipeline reads (ledger.config.Settings); a child gets only the caller's.
+OWNED_VARIABLES = ("DATABASE_URL", "CELERY_", "LEDGER_", "DB_", "BROKER_", "STRIPE_", "OUTBOX_", "LOG_LEVEL",
+                   "PROMETHEUS_MULTIPROC_DIR", "METRICS_PORT", "INGEST_", "CHAOS_")
+
+
+def stack_env(database_url: str, broker_url: str, variables: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of one of the stack's processes: ours, plus the machine's unrelated variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(OWNED_VARIABLES)}
+    env.update({"DATABASE_URL": database_url, "CELERY_BROKER_URL": broker_url, "PYTHONPATH": str(REPO),
+                "PYTHONUNBUFFERED": "1", "LOG_LEVEL": "INFO"})
+    env.update(variables or {})
+    return env
+
+
+@dataclass
+class HttpAnswer:
+    status_code: int
+    body: bytes
+
+    def json(self) -> dict:
+        return json.loads(self.body)
+
+
+def http_request(port: int, method: str, path: str, body: bytes | None = None,
+                 headers: Mapping[str, str] | None = None, timeout: float = 30) -> HttpAnswer:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers=dict(headers or {}))
+        response = conn.getresponse()
+        return HttpAnswer(response.status, response.read())
+    finally:
+        conn.close()
+
+
+class Receiver(Process):
+    """``gunicorn -w N 'ingest.app:create_app()'`` (README's command) on a free port.
+
+    ``threads`` > 1 runs gthread workers. Ready when ``ready_path`` answers 200
+    and every gunicorn worker has forked.
+    """
+
+    def __init__(self, env: Mapping[str, str], log_dir: Path, *, workers: int = 2, threads: int = 1,
+                 port: int | None = None, host: str = "127.0.0.1", ready_path: str = "/healthz",
+                 extra_args: tuple[str, ...] = ()):
+        self.port = port or free_port()
+        self.workers = workers
+        self.ready_path = ready_path
+        # No control socket: the default one is a fixed path in $HOME shared by every gunicorn.
+        cmd = [venv_tool("gunicorn"), "-b", f"{host}:{self.port}", "-w", str(workers), "--no-control-socket",
+               *extra_args]
+        if threads > 1:
+            cmd += ["--worker-class", "gthread", "--threads", str(threads)]
+        super().__init__("receiver", [*cmd, "ingest.app:create_app()"], env,
+                         Path(log_dir) / f"receiver-{self.port}.log")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60) -> "Receiver":
+        super().start()
+
+        def ready() -> bool:
+            self.ensure_alive()
+            try:
+                answered = http_request(self.port, "GET", self.ready_path, timeout=2).status_code == 200
+            except OSError:
+                return False
+            return answered and len(self.children()) >= self.workers
+        try:
+            wait_until(ready, timeout_s=timeout_s, what=f"the receiver to answer {self.ready_path}")
+        except AssertionError:
+            self.kill()
+            raise RuntimeError(f"receiver did not answer {self.ready_path}:\n{self.log(4000)}") from None
+        return self
+
+    def post(self, body: bytes, headers: Mapping[str, str], path: str = "/webhooks/stripe") -> HttpAnswer:
+        return http_request(self.port, "POST", path, body, {"Content-Type": "application/json", **headers})
+
+    def pids(self) -> dict[str, list[int]]:
+        return {"receiver master": [self.pid] if self.pid else [], "receiver worker": self.children()}
+
+
+class Worker(Process):
+    """``celery -A workers worker`` consuming ``queues``, with a prefork pool of ``concurrency``."""
+
+    def __init__(self, env: Mapping[str, str], log_dir: Path, *, queues: tuple[str, ...], concurrency: int = 1,
+                 node: str, nice: int = 0):
+        self.node = node
+        cmd = [venv_tool("celery"), "-A", "workers", "worker", "--pool=prefork", "-c", str(concurrency),
+               "--loglevel=INFO", "-Q", ",".join(queues), "-n", f"{node}@%h",
+               "--without-mingle", "--without-gossip", "--without-heartbeat"]
+        if nice:
+            cmd = ["nice", "-n", str(nice), *cmd]
+        super().__init__(node, cmd, env, Path(log_dir) / f"{node}.log")
+
+    def ready(self) -> bool:
+        """Consuming: Celery logs `` ready.`` once its pool is up (raises if the worker exited)."""
+        self.ensure_alive()
+        return " ready." in self.log()
+
+    def wait_ready(self, timeout_s: float = 60.0) -> "Worker":
+        wait_until(self.ready, timeout_s=timeout_s, interval_s=0.1, what=f"worker {self.node} to be ready")
+        return self
+
+    def pids(self) -> dict[str, list[int]]:
+        return {"worker main": [self.pid] if self.pid else [], "worker pool process": self.children()}
+
+
+class Sweep(Process):
+    """``ledgerctl sweep --loop``: the recovery sweep, as an operator runs it."""
+
+    def __init__(self, env: Mapping[str, str], log_dir: Path, *, name: str = "sweep"):
+        super().__init__(name, [venv_tool("ledgerctl"), "sweep", "--loop"], env, Path(log_dir) / f"{name}.log")
