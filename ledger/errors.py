@@ -18,3 +18,7 @@ class MigrationError(LedgerError):
 
 class DatabaseUnavailable(LedgerError):
     """Postgres is unreachable or refused the statement."""
+
+
+class LeaseLost(LedgerError):
+    """The lease was taken over by another worker; this attempt must not commit."""

@@ -6,7 +6,8 @@ Each one runs in its own transaction and is recorded in
 applied is reported instead of silently ignored. A transaction-level advisory
 lock serialises concurrent ``ledgerctl migrate`` runs (several replicas may
 start at once). Every migration must be additive so that the previous release
-keeps serving while it runs.
+keeps serving while it runs. The statements on the history are named SQL in
+ledger/sql/migrations.sql.
 """
 from __future__ import annotations
 
@@ -18,9 +19,7 @@ from importlib import resources
 import psycopg
 
 from ledger.errors import MigrationError
-
-# Any constant works; it only has to be the same for every migrating process.
-_MIGRATION_LOCK_KEY = 7_346_221_901
+from ledger.queries import SQL
 
 _FILE_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
@@ -52,22 +51,10 @@ def available_migrations() -> list[Migration]:
     return found
 
 
-_CREATE_TABLE = """
-CREATE SCHEMA IF NOT EXISTS ledger;
-CREATE TABLE IF NOT EXISTS ledger.schema_migrations (
-    version    integer     PRIMARY KEY,
-    name       text        NOT NULL,
-    checksum   text        NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT now()
-)
-"""
-
-
 def applied_migrations(conn: psycopg.Connection) -> dict[int, tuple[str, str]]:
-    exists = conn.execute("SELECT to_regclass('ledger.schema_migrations') IS NOT NULL").fetchone()[0]
-    if not exists:
+    if not conn.execute(SQL.migration_history_exists).fetchone()[0]:
         return {}
-    rows = conn.execute("SELECT version, name, checksum FROM ledger.schema_migrations").fetchall()
+    rows = conn.execute(SQL.migration_history).fetchall()
     return {version: (name, checksum) for version, name, checksum in rows}
 
 
@@ -78,8 +65,8 @@ def migrate(dsn: str) -> list[Migration]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         for migration in migrations:
             with conn.transaction():
-                conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK_KEY,))
-                conn.execute(_CREATE_TABLE)
+                conn.execute(SQL.migration_lock)
+                conn.execute(SQL.migration_history_create)
                 done = applied_migrations(conn)
                 if migration.version in done:
                     _, checksum = done[migration.version]
@@ -89,9 +76,8 @@ def migrate(dsn: str) -> list[Migration]:
                             "after it was applied; add a new migration instead")
                     continue
                 conn.execute(migration.sql)
-                conn.execute(
-                    "INSERT INTO ledger.schema_migrations (version, name, checksum) VALUES (%s, %s, %s)",
-                    (migration.version, migration.name, migration.checksum))
+                conn.execute(SQL.migration_record, {"version": migration.version, "name": migration.name,
+                                                    "checksum": migration.checksum})
                 applied_now.append(migration)
         unknown = set(applied_migrations(conn)) - {m.version for m in migrations}
         if unknown:

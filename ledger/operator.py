@@ -1,7 +1,8 @@
 """The operator's side of the ledger (ledgerctl): inspect, replay, prune.
 
 Replay runs the same kind of guarded compare-and-set as the workers: it can
-only move an event that nobody is working on.
+only move an event that nobody is working on. Statements are named SQL
+(ledger/sql/operations.sql, events.sql), run through ledger.statements.
 """
 from __future__ import annotations
 
@@ -9,10 +10,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Iterator
 
-from psycopg.rows import dict_row
-
 from ledger.db import ProcessPool
 from ledger.queries import SQL
+from ledger.statements import run_statement
 
 
 def glob_to_like(pattern: str | None) -> str | None:
@@ -41,8 +41,7 @@ class OperatorLedger:
         self._pool = pool
 
     def _all(self, sql: str, params: dict | None = None) -> list[dict[str, Any]]:
-        with self._pool.get().connection() as conn:
-            return conn.cursor(row_factory=dict_row).execute(sql, params or {}).fetchall()
+        return run_statement(self._pool, sql, params)
 
     def stats(self) -> dict[str, Any]:
         by_status_type = self._all(SQL.stats_by_status_and_type)

@@ -1,5 +1,9 @@
 """The outbox's side of the ledger: record (inside the apply transaction), claim,
-finish, fail, sweep, and the operator's list/show/replay."""
+finish, fail, sweep, and the operator's list/show/replay.
+
+Statements are named SQL (ledger/sql/outbox.sql); outside the apply transaction
+they run through ledger.statements.
+"""
 from __future__ import annotations
 
 import uuid
@@ -7,12 +11,13 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import psycopg
-from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from ledger.db import ProcessPool
+from ledger.errors import LeaseLost
 from ledger.queries import SQL
-from ledger.store import LeaseLost
+from ledger.states import OutboxStatus
+from ledger.statements import run_statement
 
 
 @dataclass(frozen=True)
@@ -45,9 +50,7 @@ class OutboxLedger:
         self._pool = pool
 
     def _all(self, sql: str, params: dict) -> list[dict[str, Any]]:
-        with self._pool.get().connection() as conn:
-            cursor = conn.cursor(row_factory=dict_row).execute(sql, params)
-            return cursor.fetchall() if cursor.description else []
+        return run_statement(self._pool, sql, params)
 
     def claim(self, outbox_id: int, *, lease_s: int) -> EffectClaim | None:
         lease_owner = uuid.uuid4().hex
@@ -63,10 +66,10 @@ class OutboxLedger:
         if not self._all(SQL.outbox_finish_if_lease_held, {"id": claim.id, "lease_owner": claim.lease_owner}):
             raise LeaseLost()
 
-    def fail(self, claim: EffectClaim, *, status: str, reason: str, error: str, delay_s: float | None,
+    def fail(self, claim: EffectClaim, *, status: OutboxStatus, reason: str, error: str, delay_s: float | None,
              wake_scheduled: bool) -> None:
-        params = {"id": claim.id, "lease_owner": claim.lease_owner, "status": status, "reason": reason,
-                  "error": error[:2000], "delay_s": delay_s, "wake_scheduled": wake_scheduled}
+        params = {"id": claim.id, "lease_owner": claim.lease_owner, "status": OutboxStatus(status).value,
+                  "reason": reason, "error": error[:2000], "delay_s": delay_s, "wake_scheduled": wake_scheduled}
         if not self._all(SQL.outbox_fail_if_lease_held, params):
             raise LeaseLost()
 
@@ -74,14 +77,14 @@ class OutboxLedger:
         return [r["id"] for r in self._all(SQL.outbox_sweep_overdue_wakeups,
                                            {"overdue_s": overdue_s, "batch": batch})]
 
-    def list(self, *, status: str | None, effect_like: str | None, limit: int) -> list[dict[str, Any]]:
+    def list(self, *, status: OutboxStatus | None, effect_like: str | None, limit: int) -> list[dict[str, Any]]:
         return self._all(SQL.outbox_list, {"status": status, "effect_like": effect_like, "limit": limit})
 
     def get(self, outbox_id: int) -> dict[str, Any] | None:
         rows = self._all(SQL.outbox_get, {"id": outbox_id})
         return rows[0] if rows else None
 
-    def ids_for_replay(self, *, status: str, effect_like: str | None, page: int = 500) -> Iterator[int]:
+    def ids_for_replay(self, *, status: OutboxStatus, effect_like: str | None, page: int = 500) -> Iterator[int]:
         after = 0
         while True:
             rows = self._all(SQL.outbox_select_for_replay,

@@ -1,8 +1,10 @@
-"""Named SQL, loaded once from ``ledger/sql/*.sql``.
+"""Named SQL: one loader, one convention, for every package that keeps SQL.
 
 Each statement sits under a ``-- name: <name>`` line followed by comment lines
-saying which transition it performs and why its guard is what it is. Nothing
-else in the project writes SQL against ``ledger.*``.
+saying which transition it performs and why its guard is what it is; code calls
+it by name (``SQL.event_claim``). ``SQL`` holds every ``ledger/sql/*.sql``: the
+only statements on ``ledger.*``. The billing handlers load theirs, on
+``billing.*``, from ``workers/billing/billing.sql`` the same way.
 """
 from __future__ import annotations
 
@@ -12,8 +14,19 @@ from importlib import resources
 _NAME = re.compile(r"^--\s*name:\s*([a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
 
 
-def load(package: str) -> dict[str, str]:
-    queries: dict[str, str] = {}
+class Queries(dict):
+    """Statements by name, also as attributes: ``SQL.event_claim``."""
+
+    def __getattr__(self, name: str) -> str:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def load(package: str) -> Queries:
+    """Every statement of every ``*.sql`` file in ``package``."""
+    queries = Queries()
     for entry in sorted(resources.files(package).iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".sql"):
             queries.update(parse(entry.read_text()))
@@ -30,12 +43,4 @@ def parse(text: str) -> dict[str, str]:
     return queries
 
 
-class _Queries(dict):
-    def __getattr__(self, name: str) -> str:
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-
-SQL = _Queries(load("ledger.sql"))
+SQL = load("ledger.sql")

@@ -1,4 +1,6 @@
-"""The event state machine, declared once.
+"""The ledger's state machines, each declared once: events and outbox effects.
+
+Events (ledger.events.status)::
 
     received ──claim──▶ processing ──finish──▶ processed
         ▲                  │  │
@@ -8,8 +10,15 @@
         │                  └──claim when due─────────────┘
         └── replay (ledgerctl) from failed_* / processed
 
-A ``processing`` row whose lease expired is claimable again (its worker died).
-The database enforces the same set with a CHECK constraint on ledger.events.status.
+Outbox effects (ledger.outbox.status), the same machine under other names::
+
+    pending ──claim──▶ sending ──finish──▶ sent
+                         └──fail──▶ failed_recoverable (claimed again when due) | failed_permanent
+    replay (ledgerctl outbox replay) from failed_* / sent ──▶ pending
+
+A ``processing`` (``sending``) row whose lease expired is claimable again (its
+worker died). The database enforces the same sets with CHECK constraints on
+ledger.events.status (migration 0001) and ledger.outbox.status (migration 0004).
 """
 from __future__ import annotations
 
@@ -28,7 +37,15 @@ class EventStatus(StrEnum):
     # In: a permanent failure or exhausted retries, with a reason. Out: replay only.
     FAILED_PERMANENT = "failed_permanent"
 
-    @property
-    def is_finished(self) -> bool:
-        """A redelivery of a finished event is acknowledged and ignored."""
-        return self in (EventStatus.PROCESSED, EventStatus.FAILED_PERMANENT)
+
+class OutboxStatus(StrEnum):
+    # In: a handler's ctx.emit, committed with the business writes; replay. Out: a dispatcher's claim.
+    PENDING = "pending"
+    # In: a dispatcher's claim (with a lease). Out: finish, fail, or a re-claim once the lease expired.
+    SENDING = "sending"
+    # In: finish, after the sender returned. Terminal (ledgerctl outbox replay --force only).
+    SENT = "sent"
+    # In: a recoverable delivery failure, with next_attempt_at. Out: a claim once due; replay.
+    FAILED_RECOVERABLE = "failed_recoverable"
+    # In: a permanent failure (rejected, no sender) or exhausted retries, with a reason. Out: replay only.
+    FAILED_PERMANENT = "failed_permanent"

@@ -1,4 +1,12 @@
-"""The one door to the ledger: receiver, workers, sweep and CLI all go through here."""
+"""The events' side of the ledger: the receiver records deliveries (EventStore),
+workers claim, apply-and-finish and fail attempts (WorkerLedger).
+
+Statements are named SQL (ledger/sql/events.sql), each run through
+ledger.statements and its one retry rule, except the apply transaction: it
+holds one connection from BEGIN to COMMIT and is never retried (a failed
+attempt is recorded and retried on the event's own schedule). The operator's
+side is ledger.operator, the outbox's ledger.outbox.
+"""
 from __future__ import annotations
 
 import uuid
@@ -8,13 +16,13 @@ from datetime import datetime
 from typing import Any, Iterator
 
 import psycopg
-from psycopg.rows import dict_row
 from psycopg_pool import PoolTimeout
 
 from ledger.db import ProcessPool
-from ledger.errors import DatabaseUnavailable, LedgerError
+from ledger.errors import DatabaseUnavailable, LeaseLost
 from ledger.queries import SQL
-from ledger.states import EventStatus
+from ledger.states import EventStatus, OutboxStatus
+from ledger.statements import run_statement
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,8 @@ class Delivery:
 
 
 class EventStore:
+    """The receiver's side: every failure to record is DatabaseUnavailable (answered 503, Stripe retries)."""
+
     def __init__(self, pool: ProcessPool):
         self._pool = pool
 
@@ -46,10 +56,10 @@ class EventStore:
         params = {"id": event.id, "type": event.type, "created": event.created,
                   "livemode": event.livemode, "api_version": event.api_version,
                   "account": event.account, "payload": event.payload}
-        row = self._run(SQL.event_record_delivery, params) or self._run(SQL.event_delivery_status, params)
+        row = (self._rows(SQL.event_record_delivery, params) or self._rows(SQL.event_delivery_status, params))[0]
         status = EventStatus(row["status"])
         if status is EventStatus.FAILED_RECOVERABLE:
-            self._run(SQL.event_hasten_if_recoverable, params)
+            self._rows(SQL.event_hasten_if_recoverable, params)
         needs_wakeup = status in (EventStatus.RECEIVED, EventStatus.FAILED_RECOVERABLE) or (
             status is EventStatus.PROCESSING and row["lease_expired"])
         return Delivery(inserted=row["inserted"], status=status, needs_wakeup=needs_wakeup)
@@ -63,34 +73,17 @@ class EventStore:
         except Exception:
             return False
 
-    def get_event(self, event_id: str) -> dict[str, Any] | None:
-        with self._pool.get().connection() as conn:
-            return conn.cursor(row_factory=dict_row).execute(SQL.event_get, {"id": event_id}).fetchone()
-
-    def _run(self, sql: str, params: dict) -> dict[str, Any] | None:
-        """One autocommitted statement, its first row; DatabaseUnavailable if Postgres fails us.
-
-        After a Postgres restart every idle pooled connection is dead. Checking
-        each one before use would cost a round trip per request; instead, a
-        failure on a dead connection makes the pool check its idle ones and the
-        statement runs once more on a fresh connection.
-        """
-        pool = self._pool.get()
-        for last_try in (False, True):
-            try:
-                with pool.connection() as conn:
-                    cursor = conn.cursor(row_factory=dict_row).execute(sql, params)
-                    return cursor.fetchone() if cursor.description else None
-            except PoolTimeout as exc:
-                # No connection could be had in time: waiting again would only double the latency.
-                raise DatabaseUnavailable("Postgres unavailable: no connection within the pool timeout") from exc
-            except psycopg.OperationalError as exc:
-                if last_try:
-                    raise DatabaseUnavailable(f"Postgres unavailable: {type(exc).__name__}") from exc
-                pool.check()
-            except psycopg.Error as exc:
-                raise DatabaseUnavailable(f"Postgres refused the statement: {type(exc).__name__}") from exc
-        raise AssertionError("unreachable")
+    def _rows(self, sql: str, params: dict) -> list[dict[str, Any]]:
+        """run_statement (a broken connection is retried once), its failures as DatabaseUnavailable."""
+        try:
+            return run_statement(self._pool, sql, params)
+        except PoolTimeout as exc:
+            # No connection could be had in time: waiting again would only double the latency.
+            raise DatabaseUnavailable("Postgres unavailable: no connection within the pool timeout") from exc
+        except psycopg.OperationalError as exc:
+            raise DatabaseUnavailable(f"Postgres unavailable: {type(exc).__name__}") from exc
+        except psycopg.Error as exc:
+            raise DatabaseUnavailable(f"Postgres refused the statement: {type(exc).__name__}") from exc
 
 
 # SQLSTATE raised by ledger.lease_not_held (migration 0005) in the apply transaction's fence and finish.
@@ -104,10 +97,6 @@ def _rollback_quietly(conn: psycopg.Connection) -> None:
         conn.rollback()
     except psycopg.Error:
         pass
-
-
-class LeaseLost(LedgerError):
-    """The lease on this event was taken over by another worker; this attempt must not commit."""
 
 
 @dataclass(frozen=True)
@@ -128,8 +117,8 @@ class Claim:
 
 @dataclass(frozen=True)
 class FailureRecord:
-    """How an attempt failed and what happens next (None delay: terminal)."""
-    status: EventStatus
+    """How an attempt failed and what happens next (None delay: terminal); for an event or an effect."""
+    status: EventStatus | OutboxStatus
     reason: str
     error_class: str
     error: str
@@ -146,11 +135,11 @@ class WorkerLedger:
     def claim(self, event_id: str, *, worker: str, lease_s: int) -> Claim | None:
         """Compare-and-set the event to processing; None when another worker has it or it is done."""
         lease_owner = uuid.uuid4().hex
-        rows = self._statement(SQL.event_claim, {"id": event_id, "worker": worker, "lease_owner": lease_owner,
-                                                 "lease_s": lease_s})
-        row = rows[0] if rows else None
-        if row is None:
+        rows = run_statement(self._pool, SQL.event_claim,
+                             {"id": event_id, "worker": worker, "lease_owner": lease_owner, "lease_s": lease_s})
+        if not rows:
             return None
+        row = rows[0]
         return Claim(event_id=row["id"], type=row["type"], attempt=row["attempts"], lease_owner=lease_owner,
                      payload=row["payload"], created=row["stripe_created"], livemode=row["livemode"],
                      api_version=row["api_version"], account=row["account"], tries=row["tries"],
@@ -192,36 +181,14 @@ class WorkerLedger:
         params = {"id": claim.event_id, "lease_owner": claim.lease_owner, "attempt": claim.attempt,
                   "status": failure.status.value, "reason": failure.reason, "error_class": failure.error_class,
                   "error": failure.error[:2000], "delay_s": failure.delay_s, "wake_scheduled": failure.wake_scheduled}
-        if not self._statement(SQL.event_fail_if_lease_held, params):
+        if not run_statement(self._pool, SQL.event_fail_if_lease_held, params):
             raise LeaseLost()
 
     def mark_lease_lost(self, claim: Claim, detail: str) -> None:
-        self._statement(SQL.attempt_mark_lease_lost, {"id": claim.event_id, "attempt": claim.attempt, "error": detail})
+        run_statement(self._pool, SQL.attempt_mark_lease_lost,
+                      {"id": claim.event_id, "attempt": claim.attempt, "error": detail})
 
     def take_overdue_wakeups(self, *, overdue_s: float, batch: int) -> list[str]:
         """Mark up to ``batch`` overdue events as re-driven and return their ids."""
-        rows = self._statement(SQL.event_sweep_overdue_wakeups, {"overdue_s": overdue_s, "batch": batch})
+        rows = run_statement(self._pool, SQL.event_sweep_overdue_wakeups, {"overdue_s": overdue_s, "batch": batch})
         return [row["id"] for row in rows]
-
-    def _statement(self, sql: str, params: dict) -> list[dict[str, Any]]:
-        """One autocommitted transition, its rows.
-
-        After a Postgres restart every idle pooled connection is dead; the first
-        statement on one fails before reaching the server. The pool then checks
-        its idle connections and the statement runs once more on a live one, so a
-        restart does not cost each worker a failed claim or, worse, a failure it
-        could not record (which would leave the event to wait out its lease).
-        Only a broken connection is retried (a statement timeout is not), and
-        only once: a second failure is Postgres being down, and is raised.
-        """
-        pool = self._pool.get()
-        for last_try in (False, True):
-            with pool.connection() as conn:
-                try:
-                    cursor = conn.cursor(row_factory=dict_row).execute(sql, params)
-                    return cursor.fetchall() if cursor.description else []
-                except psycopg.OperationalError:
-                    if last_try or not conn.broken:
-                        raise
-            pool.check()  # the broken one went back to the pool, which discards it
-        raise AssertionError("unreachable")

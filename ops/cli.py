@@ -19,7 +19,7 @@ import click
 
 from ledger.config import Settings
 from ledger.errors import ConfigError, LedgerError
-from ledger.states import EventStatus
+from ledger.states import EventStatus, OutboxStatus
 
 _DURATION = re.compile(r"^(\d+)([smhd])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -93,6 +93,14 @@ def _echo_json(value: Any) -> None:
     click.echo(json.dumps(_plain(value), indent=2, sort_keys=True))
 
 
+def _found(value, missing: str):
+    """``value``, or exit 1 saying what was not found (an unknown id is not a usage error)."""
+    if value is None:
+        click.echo(missing, err=True)
+        sys.exit(1)
+    return value
+
+
 def _table(rows: Iterable[dict[str, Any]], columns: list[str]) -> None:
     rows = [{c: "" if r.get(c) is None else str(_plain(r.get(c))) for c in columns} for r in rows]
     widths = {c: max([len(c)] + [len(r[c]) for r in rows]) for c in columns}
@@ -101,8 +109,13 @@ def _table(rows: Iterable[dict[str, Any]], columns: list[str]) -> None:
         click.echo("  ".join(r[c].ljust(widths[c]) for c in columns).rstrip())
 
 
+def _values(*statuses: EventStatus | OutboxStatus) -> list[str]:
+    """Choices as plain strings: click matches an Enum choice by its name, not its value."""
+    return [status.value for status in statuses]
+
+
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-status_choice = click.Choice([s.value for s in EventStatus])
+status_choice = click.Choice(_values(*EventStatus))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -185,10 +198,7 @@ def events_list(obj: _Context, status, type_glob, since, until, limit, as_json):
 @click.pass_obj
 def events_show(obj: _Context, event_id: str, as_json: bool):
     """One event: its row, deliveries, attempts with errors, operator actions, business rows it wrote."""
-    detail = obj.operator.show(event_id)
-    if detail is None:
-        click.echo(f"no event {event_id}", err=True)
-        sys.exit(1)
+    detail = _found(obj.operator.show(event_id), f"no event {event_id}")
     if as_json:
         _echo_json(detail)
         return
@@ -206,7 +216,9 @@ def events_show(obj: _Context, event_id: str, as_json: bool):
 
 @cli.command()
 @click.argument("event_ids", nargs=-1)
-@click.option("--status", "bulk_status", type=click.Choice(["failed_permanent", "failed_recoverable", "processed"]),
+@click.option("--status", "bulk_status", type=click.Choice(_values(EventStatus.FAILED_PERMANENT,
+                                                                   EventStatus.FAILED_RECOVERABLE,
+                                                                   EventStatus.PROCESSED)),
               help="Bulk: replay every event in this state (processed needs --force).")
 @click.option("--type", "type_glob", help="Bulk: only this event type (glob allowed).")
 @click.option("--since", help="Bulk: received at or after (ISO time or duration ago).")
@@ -232,7 +244,7 @@ def replay(obj: _Context, event_ids, bulk_status, type_glob, since, until, reaso
 
     if bool(event_ids) == bool(bulk_status):
         raise click.UsageError("name event ids, or select them with --status (not both)")
-    if bulk_status == "processed" and not force:
+    if bulk_status == EventStatus.PROCESSED and not force:
         raise click.UsageError("replaying processed events needs --force")
     bulk = bool(bulk_status)
     if bulk:
@@ -349,8 +361,7 @@ def _outbox(obj: _Context):
 
 
 @outbox.command("list")
-@click.option("--status", type=click.Choice(["pending", "sending", "sent", "failed_recoverable",
-                                             "failed_permanent"]))
+@click.option("--status", type=click.Choice(_values(*OutboxStatus)))
 @click.option("--effect", "effect_glob", help="Effect name, glob allowed (entitlements.*).")
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 100_000))
 @json_option
@@ -372,10 +383,7 @@ def outbox_list(obj: _Context, status, effect_glob, limit, as_json):
 @click.pass_obj
 def outbox_show(obj: _Context, outbox_id: int, as_json: bool):
     """One effect: its row, payload and last error."""
-    row = _outbox(obj).get(outbox_id)
-    if row is None:
-        click.echo(f"no effect {outbox_id}", err=True)
-        sys.exit(1)
+    row = _found(_outbox(obj).get(outbox_id), f"no effect {outbox_id}")
     if as_json:
         _echo_json(row)
         return
@@ -386,7 +394,9 @@ def outbox_show(obj: _Context, outbox_id: int, as_json: bool):
 
 @outbox.command("replay")
 @click.argument("outbox_ids", nargs=-1, type=int)
-@click.option("--status", "bulk_status", type=click.Choice(["failed_permanent", "failed_recoverable", "sent"]),
+@click.option("--status", "bulk_status", type=click.Choice(_values(OutboxStatus.FAILED_PERMANENT,
+                                                                   OutboxStatus.FAILED_RECOVERABLE,
+                                                                   OutboxStatus.SENT)),
               help="Bulk: every effect in this state (sent needs --force).")
 @click.option("--effect", "effect_glob", help="Bulk: only this effect (glob allowed).")
 @click.option("--force", is_flag=True, help="Also re-send effects already sent (same idempotency key).")
@@ -400,7 +410,7 @@ def outbox_replay(obj: _Context, outbox_ids, bulk_status, effect_glob, force, dr
 
     if bool(outbox_ids) == bool(bulk_status):
         raise click.UsageError("name effect ids, or select them with --status (not both)")
-    if bulk_status == "sent" and not force:
+    if bulk_status == OutboxStatus.SENT and not force:
         raise click.UsageError("re-sending sent effects needs --force")
     ledger = _outbox(obj)
     ids = list(ledger.ids_for_replay(status=bulk_status, effect_like=glob_to_like(effect_glob))) if bulk_status \

@@ -9,6 +9,8 @@ from ledger.config import Settings
 from ledger.errors import ConfigError
 from ledger.logs import configure as configure_logging
 from workers.app import make_celery
+from workers.runtime import Runtime
+from workers.tasks import register_tasks
 
 configure_logging()
 try:
@@ -17,7 +19,7 @@ except ConfigError as exc:
     raise SystemExit(f"configuration error: {exc}") from None
 
 app = make_celery(settings)
-app.conf.imports = ("workers.tasks",)
+register_tasks(app, Runtime(settings, app))
 
 
 @worker_init.connect

@@ -49,6 +49,8 @@ class Failure:
     reason: str
     error_class: str
     message: str
+    # The other side's Retry-After (an effect's receiver): a retry waits at least this long.
+    retry_after_s: float | None = None
 
 
 # SQLSTATE classes and codes that a later attempt can get past.

@@ -1,4 +1,5 @@
--- Every statement on ledger.outbox. The same state machine as events:
+-- Every statement on ledger.outbox. The same state machine as events
+-- (ledger/states.py, OutboxStatus):
 -- pending -> sending (lease) -> sent | failed_recoverable (due later) | failed_permanent.
 
 -- name: outbox_record
@@ -55,6 +56,8 @@ RETURNING id
 
 -- name: outbox_sweep_overdue_wakeups
 -- Sweep: unsent effects whose wake-up is overdue (same rules as events).
+-- The twin of event_sweep_overdue_wakeups, kept separate: a statement cannot take
+-- its table and state names as parameters, and each stays one plain guarded UPDATE.
 UPDATE ledger.outbox o
    SET wakeup_at = now(), redrives = o.redrives + 1
  WHERE o.id IN (

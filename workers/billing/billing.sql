@@ -4,6 +4,8 @@
 -- resolution, and the event id breaks same-second ties the same way every time,
 -- so any delivery order converges to the same rows. Re-applying an event is a
 -- no-op (its key is not newer than itself).
+-- The upserts repeat one shape on purpose: each names its own table's columns
+-- and spells out its guard, which a generated statement would hide.
 
 -- name: customer_upsert_if_newer
 INSERT INTO billing.customers AS t

@@ -181,6 +181,7 @@ def entitlement_summary(obj: Obj) -> tuple[str, list[str]]:
 
 def payment_failed_notice(obj: Obj) -> dict[str, Any]:
     """The invoice.payment_failed effect's payload: what a dunning e-mail needs, nothing more."""
+    # Its own fields, not invoice_row's: the payload is a published contract (README, Built-in effects).
     return {
         "invoice_id": _required_id(obj, "id"),
         "customer_id": _id(obj.get("customer")),
