@@ -43,7 +43,6 @@ import queue
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -57,8 +56,10 @@ from pathlib import Path
 
 import psycopg
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+from devkit.servers import PrivateRedis, with_db
+from devkit.sql import SQL, compose
+from devkit.stack import Receiver, Sweep, Worker, stack_env
+
 HANDLERS = "devkit.chaos_handlers"
 SECRET = "whsec_chaos_0123456789abcdef"
 QUEUE = "chaos"
@@ -66,21 +67,9 @@ ADMIN_URL = os.environ.get("TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/
 UNFINISHED = ("received", "processing", "failed_recoverable")
 DOMAIN_FAULT_CLASSES = ("TransientError", "LockNotAvailable", "QueryCanceled")
 
-# Billing columns that say what a row is, not when it was written.
-SNAPSHOT = {
-    "customers": "SELECT id, email, name, deleted, livemode, metadata::text, source_event_id, source_event_created "
-                 "FROM billing.customers",
-    "subscriptions": "SELECT id, customer_id, status, price_id, product_id, quantity, cancel_at_period_end, "
-                     "current_period_start, current_period_end, trial_end, canceled_at, ended_at, features, "
-                     "livemode, source_event_id, source_event_created FROM billing.subscriptions",
-    "invoices": "SELECT id, customer_id, subscription_id, status, amount_due, amount_paid, currency, period_start, "
-                "period_end, billing_reason, deleted, livemode, source_event_id, source_event_created "
-                "FROM billing.invoices",
-    "checkout_sessions": "SELECT id, customer_id, subscription_id, client_reference_id, mode, status, "
-                         "payment_status, livemode, source_event_id, source_event_created "
-                         "FROM billing.checkout_sessions",
-    "entitlements": "SELECT customer_id, feature, source FROM billing.entitlements",
-}
+# Billing rows compared with the in-order run (devkit/sql/chaos.sql: the columns that say what a row is).
+SNAPSHOT = {name: getattr(SQL, f"chaos_snapshot_{name}")
+            for name in ("customers", "subscriptions", "invoices", "checkout_sessions", "entitlements")}
 
 
 @dataclass
@@ -144,18 +133,6 @@ def log(cfg: Config, message: str) -> None:
         print(f"[chaos {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def with_db(url: str, name: str) -> str:
-    return url.rsplit("/", 1)[0] + "/" + name
-
-
 # -- events -------------------------------------------------------------------------------
 
 def build_events(n: int, rng: random.Random) -> list[dict]:
@@ -194,155 +171,51 @@ def delivery_plan(events: list[dict], rng: random.Random, duplicate_rate: float)
 
 # -- processes ----------------------------------------------------------------------------
 
-class Proc:
-    """A child in a process group of its own; kill() SIGKILLs the whole group."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict, log_path: Path):
-        self.name, self.cmd, self.env, self.log_path = name, cmd, env, log_path
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> "Proc":
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-        return self
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def children(self) -> list[int]:
-        if self.proc is None:
-            return []
-        try:
-            return [int(p) for p in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            return []
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def kill(self) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def wait_until(check, timeout_s: float, what: str, interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(interval_s)
-
-
 class Stack:
+    """The run's private Redis, receiver, workers and sweep (devkit.servers / devkit.stack).
+
+    Redis and the receiver keep their ports across restarts: the workers' broker URL and
+    the senders' target stay valid.
+    """
+
     def __init__(self, cfg: Config, database_url: str, workdir: Path):
         self.cfg = cfg
         self.database_url = database_url
         self.workdir = workdir
-        self.redis_port = free_port()
-        self.receiver_port = free_port()
-        self.broker_url = f"redis://127.0.0.1:{self.redis_port}/0"
-        self.redis: Proc | None = None
-        self.receiver: Proc | None = None
-        self.sweep: Proc | None = None
-        self.workers: list[Proc] = []
-        self._n = 0
-
-    # environment of every child: the variables the pipeline reads are ours alone
-    def env(self) -> dict[str, str]:
-        owned = ("DATABASE_URL", "CELERY_BROKER_URL", "LEDGER_", "DB_", "BROKER_", "STRIPE_", "LOG_LEVEL",
-                 "CHAOS_", "OUTBOX_", "PROMETHEUS_MULTIPROC_DIR", "METRICS_PORT")
-        env = {k: v for k, v in os.environ.items() if not k.startswith(owned)}
-        env.update({
-            "DATABASE_URL": self.database_url, "CELERY_BROKER_URL": self.broker_url,
+        self.redis = PrivateRedis(workdir / "redis.log", databases=2)
+        # The variables the pipeline reads are ours alone.
+        self.env = stack_env(database_url, self.redis.url, {
             "STRIPE_WEBHOOK_SECRET": SECRET, "LEDGER_QUEUE": QUEUE, "LEDGER_HANDLER_MODULES": HANDLERS,
             "LEDGER_LEASE_S": "6", "LEDGER_MAX_ATTEMPTS": "30", "LEDGER_RETRY_BASE_S": "0.1",
             "LEDGER_RETRY_CAP_S": "2", "LEDGER_SWEEP_OVERDUE_S": "2", "LEDGER_SWEEP_INTERVAL_S": "1",
-            "LEDGER_SWEEP_BATCH": "500", "LOG_LEVEL": "WARNING", "CHAOS_FAULT_RATE": str(self.cfg.fault_rate),
-            "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
+            "LEDGER_SWEEP_BATCH": "500", "LOG_LEVEL": "WARNING", "CHAOS_FAULT_RATE": str(cfg.fault_rate),
         })
-        return env
+        self.receiver = Receiver(self.env, workdir, workers=2)
+        self.sweep: Sweep | None = None
+        self.workers: list[Worker] = []
+        self._n = 0
 
-    def _log(self, name: str) -> Path:
-        return self.workdir / f"{name}.log"
-
-    # redis
-    def start_redis(self) -> None:
-        import redis
-
-        server = shutil.which("redis-server") or "/usr/bin/redis-server"
-        self.redis = Proc("redis", [server, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
-                                    "--appendonly", "no", "--protected-mode", "no", "--databases", "2"],
-                          self.env(), self._log("redis")).start()
-
-        def pong():
-            try:
-                with redis.Redis(port=self.redis_port, socket_connect_timeout=1) as client:
-                    return client.ping()
-            except redis.RedisError:
-                if not self.redis.alive:
-                    raise RuntimeError(f"redis-server exited:\n{self.redis.log()[-2000:]}")
-                return False
-        wait_until(pong, 30, "redis-server to answer")
-
-    def flush_redis(self) -> None:
-        import redis
-
-        with redis.Redis(port=self.redis_port, socket_connect_timeout=2, socket_timeout=5) as client:
-            client.flushall()
+    @property
+    def receiver_port(self) -> int:
+        return self.receiver.port
 
     def restart_redis(self, outage_s: float) -> None:
         self.redis.kill()
         time.sleep(outage_s)
-        self.start_redis()
-
-    # receiver
-    def start_receiver(self) -> None:
-        cmd = [str(BIN / "gunicorn"), "-b", f"127.0.0.1:{self.receiver_port}", "-w", "2", "--no-control-socket",
-               "ingest.app:create_app()"]
-        self.receiver = Proc("receiver", cmd, self.env(), self._log("receiver")).start()
-
-        def healthy():
-            if not self.receiver.alive:
-                raise RuntimeError(f"receiver exited:\n{self.receiver.log()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.receiver_port}/healthz", timeout=2) as r:
-                    return r.status == 200
-            except OSError:
-                return False
-        wait_until(healthy, 60, "the receiver to answer /healthz")
+        self.redis.start()
 
     def restart_receiver(self) -> None:
         self.receiver.kill()
-        self.start_receiver()
+        self.receiver.start()
 
-    # workers
-    def start_worker(self) -> Proc:
+    def start_worker(self) -> Worker:
         self._n += 1
-        node = f"chaos{self._n}-{uuid.uuid4().hex[:6]}"
-        cmd = [str(BIN / "celery"), "-A", "workers", "worker", "--pool=prefork", "-c", str(self.cfg.concurrency),
-               "--loglevel=INFO", "-Q", QUEUE, "-n", f"{node}@%h", "--without-mingle", "--without-gossip",
-               "--without-heartbeat"]
-        worker = Proc(node, cmd, self.env(), self._log(node)).start()
+        worker = Worker(self.env, self.workdir, queues=(QUEUE,), concurrency=self.cfg.concurrency,
+                        node=f"chaos{self._n}-{uuid.uuid4().hex[:6]}").start()
         self.workers.append(worker)
         return worker
 
-    def live_workers(self) -> list[Proc]:
+    def live_workers(self) -> list[Worker]:
         self.workers = [w for w in self.workers if w.alive]
         return self.workers
 
@@ -354,7 +227,7 @@ class Stack:
         return started
 
     def start_sweep(self) -> None:
-        self.sweep = Proc("sweep", [str(BIN / "ledgerctl"), "sweep", "--loop"], self.env(), self._log("sweep")).start()
+        self.sweep = Sweep(self.env, self.workdir).start()
 
     def close(self) -> None:
         for proc in [*self.workers, self.sweep, self.receiver, self.redis]:
@@ -453,7 +326,7 @@ class Chaos(threading.Thread):
         return True
 
     def flush_redis(self) -> bool:
-        self.stack.flush_redis()
+        self.stack.redis.flush()
         return True
 
     def restart_redis(self) -> bool:
@@ -462,10 +335,7 @@ class Chaos(threading.Thread):
 
     def terminate_pg_backends(self) -> bool:
         with psycopg.connect(self.stack.database_url, autocommit=True, application_name="chaos-harness") as conn:
-            n = conn.execute(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-                " WHERE datname = current_database() AND application_name = 'worker'"
-                " AND pid <> pg_backend_pid()").fetchone()[0]
+            n = conn.execute(SQL.chaos_terminate_worker_backends).fetchone()[0]
         return n > 0
 
     def restart_receiver(self) -> bool:
@@ -477,7 +347,7 @@ class Chaos(threading.Thread):
 
 def ledger_counts(url: str) -> dict[str, int]:
     with psycopg.connect(url, autocommit=True) as conn:
-        return dict(conn.execute("SELECT status, count(*) FROM ledger.events GROUP BY status").fetchall())
+        return dict(conn.execute(SQL.chaos_events_by_status).fetchall())
 
 
 def reference_snapshot(events: list[dict], url: str) -> dict[str, set]:
@@ -519,17 +389,15 @@ def check(events: list[dict], url: str, reference: dict[str, set], result: Resul
     effect_ids = {e["id"] for e in events if e["type"] == "chaos.effect"}
     subscription_ids = {e["id"] for e in events if e["type"].startswith("customer.subscription.")}
     with psycopg.connect(url, autocommit=True) as conn:
-        rows = {r[0]: r[1:] for r in conn.execute(
-            "SELECT id, status, failure_reason FROM ledger.events WHERE id = ANY(%s)", (ids,)).fetchall()}
-        extra = conn.execute("SELECT count(*) FROM ledger.events WHERE NOT (id = ANY(%s))", (ids,)).fetchone()[0]
-        effects = dict(conn.execute("SELECT event_id, count(*) FROM public.chaos_effects GROUP BY event_id").fetchall())
-        transitions = dict(conn.execute(
-            "SELECT event_id, count(*) FROM billing.subscription_transitions GROUP BY event_id").fetchall())
-        result.deliveries = conn.execute("SELECT count(*) FROM ledger.deliveries").fetchone()[0]
-        result.attempts = dict(conn.execute("SELECT outcome, count(*) FROM ledger.attempts GROUP BY outcome").fetchall())
-        domain = dict(conn.execute("SELECT error_class, count(*) FROM ledger.attempts WHERE error_class = ANY(%s)"
-                                   " GROUP BY error_class", (list(DOMAIN_FAULT_CLASSES),)).fetchall())
-        committed = conn.execute("SELECT event_id, attempt FROM ledger.attempts WHERE outcome = 'processed'").fetchall()
+        rows = {r[0]: r[1:] for r in conn.execute(SQL.chaos_events_sent, {"ids": ids}).fetchall()}
+        extra = conn.execute(SQL.chaos_events_count_not_sent, {"ids": ids}).fetchone()[0]
+        effects = dict(conn.execute(SQL.chaos_effects_by_event).fetchall())
+        transitions = dict(conn.execute(SQL.chaos_transitions_by_event).fetchall())
+        result.deliveries = conn.execute(SQL.chaos_deliveries_count).fetchone()[0]
+        result.attempts = dict(conn.execute(SQL.chaos_attempts_by_outcome).fetchall())
+        domain = dict(conn.execute(SQL.chaos_attempts_by_error_class,
+                                   {"classes": list(DOMAIN_FAULT_CLASSES)}).fetchall())
+        committed = conn.execute(SQL.chaos_attempts_processed).fetchall()
     result.faults.update({f"domain_{k}": v for k, v in domain.items()})
     # The workers fail exactly the attempts fault_for() picks: none of those may have committed.
     swallowed = [(e, a) for e, a in committed if fault_rate and fault_for(e, a, fault_rate)]
@@ -587,7 +455,7 @@ def create_database(admin_url: str, name: str) -> str:
     from devkit.chaos_handlers import TABLES_DDL
 
     with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
+        conn.execute(compose(SQL.database_create, database=name))
     url = with_db(admin_url, name)
     migrate(url)
     with psycopg.connect(url, autocommit=True) as conn:
@@ -598,7 +466,7 @@ def create_database(admin_url: str, name: str) -> str:
 
 def drop_database(admin_url: str, name: str) -> None:
     with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.execute(compose(SQL.database_drop, database=name))
 
 
 def run(cfg: Config) -> tuple[Result, list[str]]:
@@ -629,25 +497,21 @@ def run(cfg: Config) -> tuple[Result, list[str]]:
         log(cfg, f"databases {name}, {ref_name}; logs in {workdir}; seed {seed}")
         # Held for the whole run: the lock-timeout fault waits on this row.
         lock_holder = psycopg.connect(url, application_name="chaos-harness")
-        lock_holder.execute("SELECT id FROM public.chaos_lock WHERE id = 1 FOR UPDATE")
+        lock_holder.execute(SQL.chaos_lock_row)
 
         events = build_events(cfg.events, rng)
         plan = delivery_plan(events, rng, cfg.duplicate_rate)
         bodies = [body_of(e) for e in events]
 
         stack = Stack(cfg, url, workdir)
-        stack.start_redis()
-        stack.start_receiver()
+        stack.redis.start()
+        stack.receiver.start()
         for _ in range(cfg.workers):
             stack.start_worker()
         for worker in list(stack.workers):
-            def ready(w=worker):
-                if not w.alive:
-                    raise RuntimeError(f"worker {w.name} exited:\n{w.log()[-3000:]}")
-                return " ready." in w.log()
-            wait_until(ready, 120, f"worker {worker.name} to be ready")
+            worker.wait_ready(timeout_s=120)
         stack.start_sweep()
-        log(cfg, f"stack up: redis :{stack.redis_port}, receiver :{stack.receiver_port}, "
+        log(cfg, f"stack up: redis :{stack.redis.port}, receiver :{stack.receiver.port}, "
                  f"{cfg.workers} workers x {cfg.concurrency}; delivering {len(plan)} deliveries of {len(events)} events")
 
         chaos = Chaos(cfg, stack, random.Random(rng.random()))

@@ -19,14 +19,12 @@ from __future__ import annotations
 import hashlib
 import os
 
+from devkit.sql import SQL
 from workers.failures import TransientError
 from workers.registry import ApplyContext, handler
 
-TABLES_DDL = (
-    "CREATE TABLE IF NOT EXISTS public.chaos_effects (event_id text NOT NULL, n bigserial)",
-    "CREATE TABLE IF NOT EXISTS public.chaos_lock (id integer PRIMARY KEY)",
-    "INSERT INTO public.chaos_lock (id) VALUES (1) ON CONFLICT DO NOTHING",
-)
+# This module's own tables (public.*), created in each of the chaos run's databases (devkit/sql/chaos.sql).
+TABLES_DDL = (SQL.chaos_effects_create, SQL.chaos_lock_create, SQL.chaos_lock_seed)
 FAULT_KINDS = ("transient", "lock_timeout", "statement_timeout")
 
 
@@ -40,7 +38,7 @@ def fault_for(event_id: str, attempt: int, rate: float) -> str | None:
 
 @handler("chaos.effect")
 def chaos_effect(ctx: ApplyContext) -> None:
-    ctx.conn.execute("INSERT INTO public.chaos_effects (event_id) VALUES (%s)", (ctx.event_id,))
+    ctx.conn.execute(SQL.chaos_effect_record, {"event_id": ctx.event_id})
 
 
 @handler("*")
@@ -50,8 +48,8 @@ def inject_fault(ctx: ApplyContext) -> None:
     if fault == "transient":
         raise TransientError(f"chaos: injected transient fault on attempt {ctx.attempt}")
     if fault == "lock_timeout":
-        ctx.conn.execute("SET LOCAL lock_timeout = '20ms'")
-        ctx.conn.execute("SELECT id FROM public.chaos_lock WHERE id = 1 FOR UPDATE")
+        ctx.conn.execute(SQL.chaos_fault_lock_timeout)
+        ctx.conn.execute(SQL.chaos_lock_row)
     elif fault == "statement_timeout":
-        ctx.conn.execute("SET LOCAL statement_timeout = '20ms'")
-        ctx.conn.execute("SELECT pg_sleep(1)")
+        ctx.conn.execute(SQL.chaos_fault_statement_timeout)
+        ctx.conn.execute(SQL.chaos_fault_sleep)

@@ -119,6 +119,18 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+def group_alive(pgid: int) -> bool:
+    """True while some member of process group ``pgid`` is alive (zombies are dead)."""
+    return any(pid_alive(pid) for pid in group_members(pgid))
+
+
+def leads_group(pid: int) -> bool:
+    """True if ``pid`` is alive and the leader of a process group of its own: the process a
+    pid file names, not a recycled pid."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z" and int(fields[2]) == pid
+
+
 def children_of(pid: int) -> list[int]:
     """Direct children of ``pid`` (every thread's)."""
     found: list[int] = []

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """ops/sabotage: prove the tests catch the bugs that would break exactly-once outcomes.
 
     ops/sabotage                    # every sabotage, then the table
@@ -83,7 +82,7 @@ SABOTAGES = (
     Sabotage(
         "failure-marked-processed",
         "processor swallows a handler's exception and lets the apply transaction finish: the "
-        "event is marked processed with whatever the handler wrote (workers/processor.py)",
+        "event is marked processed with whatever the handler wrote (EventProcessor._work, workers/processor.py)",
         (("workers/processor.py",
           "                for handle in handlers:\n                    handle(context)\n",
           "                for handle in handlers:\n                    try:\n                        handle(context)\n"

@@ -43,6 +43,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 from urllib.parse import urlsplit
 
 from devkit.factories import BASIL_API, OLD_API, SubscriptionHistory, body_of, sign
+from devkit.procs import run_together
 
 DEFAULT_FIXTURES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "stripe-fixtures"
 USER_AGENT = "Stripe/1.0 (+https://stripe.com/docs/webhooks)"
@@ -334,25 +335,7 @@ class StripeSimulator:
 
     def send_concurrently(self, event: SimEvent, copies: int, kind: str = CONCURRENT) -> list[Answer]:
         """``copies`` deliveries of ``event`` from as many threads, released at the same moment."""
-        barrier = threading.Barrier(copies)
-        results: list[Answer | BaseException | None] = [None] * copies
-
-        def run(i: int) -> None:
-            try:
-                barrier.wait()
-                results[i] = self.send(event, kind)
-            except BaseException as exc:  # noqa: BLE001 - re-raised below
-                results[i] = exc
-
-        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(copies)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return results  # type: ignore[return-value]
+        return run_together(lambda _: self.send(event, kind), copies)
 
     # Stripe's loop ------------------------------------------------------------------------
     def deliver(self, event: SimEvent) -> list[Answer]:

@@ -12,9 +12,10 @@ import threading
 import time
 from pathlib import Path
 
+from devkit.procs import REPO
+
 from . import report
 from .scenarios import ALL, SCENARIOS, Bench, Options, log
-from .stack import REPO
 
 DOCS = REPO / "docs"
 

@@ -26,7 +26,7 @@ from typing import Any, Iterable
 
 from devkit.factories import SubscriptionHistory, sign
 
-from .stack import REPO
+from devkit.procs import REPO
 
 FIXTURES_DIR = Path(os.environ.get("BENCH_FIXTURES_DIR", REPO.parent / "shared" / "stripe-fixtures"))
 

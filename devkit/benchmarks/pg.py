@@ -11,18 +11,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 import psycopg
+from psycopg.sql import Composable
 
+from devkit.servers import pg_bin
+from devkit.sql import SQL, compose
 from ledger.migrate import migrate
 from ledger.queries import SQL as LEDGER_SQL
 from ledger.queries import load
 
-from .stack import pg_bin
-
 BILLING_SQL = load("workers.billing")
 # The role the benchmark itself reads counters with: its statements are left out of the counts.
 MONITOR_ROLE = "bench_monitor"
-
-UNFINISHED = "('received', 'processing', 'failed_recoverable')"
 
 
 class BenchDatabase:
@@ -36,14 +35,14 @@ class BenchDatabase:
 
     def create(self) -> "BenchDatabase":
         with psycopg.connect(self.admin_url, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
-            conn.execute(f'CREATE DATABASE "{self.name}"')
-            if not conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (MONITOR_ROLE,)).fetchone():
-                conn.execute(f"CREATE ROLE {MONITOR_ROLE} LOGIN SUPERUSER")
+            conn.execute(compose(SQL.database_drop, database=self.name))
+            conn.execute(compose(SQL.database_create, database=self.name))
+            if not conn.execute(SQL.bench_role_exists, {"role": MONITOR_ROLE}).fetchone():
+                conn.execute(compose(SQL.bench_role_create, role=MONITOR_ROLE))
         migrate(self.url)
         with psycopg.connect(self.url, autocommit=True) as conn:
-            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-            conn.execute("CREATE SCHEMA IF NOT EXISTS bench")
+            conn.execute(SQL.bench_statements_extension)
+            conn.execute(SQL.bench_schema_create)
         return self
 
     # -- the monitor connection ----------------------------------------------------------
@@ -53,12 +52,12 @@ class BenchDatabase:
             self._monitor = psycopg.connect(self.monitor_url, autocommit=True)
         return self._monitor
 
-    def q(self, sql: str, params: Any = None) -> list[tuple]:
+    def q(self, sql: str | Composable, params: Any = None) -> list[tuple]:
         self.monitor_statements += 1
         cur = self.monitor.execute(sql, params)
         return cur.fetchall() if cur.description else []
 
-    def one(self, sql: str, params: Any = None) -> Any:
+    def one(self, sql: str | Composable, params: Any = None) -> Any:
         rows = self.q(sql, params)
         return rows[0][0] if rows else None
 
@@ -70,45 +69,38 @@ class BenchDatabase:
     # -- state ---------------------------------------------------------------------------
     def reset(self) -> None:
         """Empty every ledger and billing table, then VACUUM ANALYZE (a fresh, empty ledger)."""
-        tables = [r[0] for r in self.q(
-            "SELECT format('%I.%I', schemaname, tablename) FROM pg_tables "
-            "WHERE schemaname IN ('ledger', 'billing', 'bench') AND tablename <> 'schema_migrations'")]
+        tables = [r[0] for r in self.q(SQL.bench_tables_to_reset)]
         if tables:
-            self.q("TRUNCATE " + ", ".join(tables))
+            self.q(compose(SQL.bench_truncate, tables=tables))
         self.vacuum()
 
     def vacuum(self, *tables: str, index_cleanup: bool = False) -> None:
         # INDEX_CLEANUP ON: a plain VACUUM skips the indexes when under 2% of the table's pages
         # hold dead rows, leaving the entries of rows that left a partial index in it.
-        options = "(ANALYZE, INDEX_CLEANUP ON)" if index_cleanup else "ANALYZE"
-        self.q(f"VACUUM {options} " + ", ".join(tables) if tables else f"VACUUM {options}")
+        template = SQL.bench_vacuum_analyze_index_cleanup if index_cleanup else SQL.bench_vacuum_analyze
+        self.q(compose(template, tables=tables))
 
     def unfinished(self) -> int:
-        return self.one(f"SELECT count(*) FROM ledger.events WHERE status IN {UNFINISHED}")
+        return self.one(SQL.bench_unfinished_count)
 
     def oldest_unfinished_age_s(self) -> float:
-        age = self.one(f"SELECT extract(epoch FROM now() - min(received_at)) FROM ledger.events "
-                       f"WHERE status IN {UNFINISHED}")
+        age = self.one(SQL.bench_oldest_unfinished_age_s)
         return float(age) if age is not None else 0.0
 
     def now(self):
-        return self.one("SELECT clock_timestamp()")
+        return self.one(SQL.bench_clock)
 
     # -- counters ------------------------------------------------------------------------
     def reset_statements(self) -> None:
-        self.q("SELECT pg_stat_statements_reset()")
+        self.q(SQL.bench_statements_reset)
 
     def xact_commits(self) -> int:
-        # pg_stat_database is refreshed at most once per transaction: clear the snapshot first.
-        self.q("SELECT pg_stat_clear_snapshot()")
-        return self.one("SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()")
+        self.q(SQL.bench_stats_clear_snapshot)
+        return self.one(SQL.bench_transactions)
 
     def statements(self) -> list[dict[str, Any]]:
         """pg_stat_statements of this database, without the monitor's own statements."""
-        rows = self.q(
-            "SELECT s.query, s.calls, s.rows, s.total_exec_time FROM pg_stat_statements s "
-            "JOIN pg_database d ON d.oid = s.dbid JOIN pg_roles r ON r.oid = s.userid "
-            "WHERE d.datname = current_database() AND r.rolname <> %s ORDER BY s.calls DESC", (MONITOR_ROLE,))
+        rows = self.q(SQL.bench_statements, {"monitor_role": MONITOR_ROLE})
         return [{"query": q, "name": statement_name(q), "calls": c, "rows": n, "exec_ms": t} for q, c, n, t in rows]
 
 

@@ -308,13 +308,28 @@ def collapse(paths: list[Path] | Path) -> dict[str, Any]:
 
 # -- plot and docs ---------------------------------------------------------------------------------
 
-def plot(results: dict[str, Any], path: Path) -> Path | None:
+def _pyplot():
+    """matplotlib's pyplot on the file-only backend, or None without the 'bench' extra."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot(results: dict[str, Any], path: Path) -> Path | None:
+    plt = _pyplot()
+    if plt is None:
         return None
     ingest = results.get("ingest")
     drain = results.get("drain")
@@ -367,19 +382,12 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_burst(burst: dict[str, Any], path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return None
     timeline = burst.get("timeline") or []
     if not timeline:
@@ -408,7 +416,4 @@ def plot_burst(burst: dict[str, Any], path: Path) -> Path | None:
     ax2.set_title("Ack latency per 10% of the burst vs backlog")
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

@@ -17,17 +17,21 @@ from pathlib import Path
 from typing import Any, Callable
 
 import psycopg
+from psycopg import sql as pg_sql
 
+from devkit.procs import Cleanup, venv_tool
+from devkit.servers import PrivateRedis
+from devkit.sql import SQL, compose
+from devkit.stack import Receiver, stack_env
 from ledger.config import Settings
-from ledger.queries import SQL
+from ledger.queries import SQL as LEDGER_SQL
 
 from . import payloads, report
 from .loadgen import Wrk
 from .payloads import SignedDelivery
-from .pg import UNFINISHED, BenchDatabase, run_pgbench, url_parts
-from .stack import (Cleanup, PrivatePostgres, PrivateRedis, ProcessWatch, Receiver, WorkerFleet, base_env,
-                    venv_tool, wire_segments)
-from .workload import (DrainScript, EventSource, drop_queue, history_sql, ingest_scripts, load_received,
+from .pg import BenchDatabase, run_pgbench, url_parts
+from .stack import ProcessWatch, WorkerFleet, bench_postgres, wire_segments
+from .workload import (BacklogEvent, DrainScript, EventSource, drop_queue, history_sql, ingest_scripts, load_received,
                        push_wakeups, redis_commands)
 
 SECRET = "whsec_bench_0123456789abcdefghij"
@@ -83,7 +87,7 @@ class Bench:
     def __init__(self, opts: Options):
         self.opts = opts
         self.work = opts.out_dir
-        self.cleanup = Cleanup()
+        self.cleanup = Cleanup("bench")
         self.results: dict[str, Any] = {}
         self.peak_rss: dict[str, float] = {}
         self._receiver: Receiver | None = None
@@ -94,18 +98,19 @@ class Bench:
     # -- set-up ----------------------------------------------------------------------------
     def start(self) -> "Bench":
         log("starting a private PostgreSQL and Redis")
-        self.pg = PrivatePostgres()
-        self.cleanup.add("private postgres", self.pg.stop)
-        self.pg.start()
-        self.redis = PrivateRedis()
-        self.cleanup.add("private redis", self.redis.stop)
-        self.redis.start(self.work)
-        self.db = BenchDatabase(self.pg.url).create()
+        self.pg = bench_postgres()
+        self.cleanup.add("private postgres", self.pg.destroy)
+        self.pg.init().start()
+        self.redis = PrivateRedis(self.work / "redis.log")
+        self.cleanup.add("private redis", lambda: self.redis.stop(grace_s=5))
+        self.redis.start()
+        self.db = BenchDatabase(self.pg.url_for).create()
         self.cleanup.add("monitor connection", self.db.close)
         self.settings = Settings(database_url=self.db.url, broker_url=self.redis.url, queue_name=QUEUE,
                                  webhook_secrets=(SECRET,))
-        self.env = base_env(self.db.url, self.redis.url, SECRET, QUEUE,
-                            STRIPE_SIGNATURE_TOLERANCE_S=str(SIGNATURE_TOLERANCE_S))
+        self.env = stack_env(self.db.url, self.redis.url, {
+            "STRIPE_WEBHOOK_SECRET": SECRET, "LEDGER_QUEUE": QUEUE,
+            "STRIPE_SIGNATURE_TOLERANCE_S": str(SIGNATURE_TOLERANCE_S)})
         self.wrk = Wrk(self.work)
         self.pg_parts = url_parts(self.db.url)
         return self
@@ -115,7 +120,8 @@ class Bench:
             log(f"starting the receiver (gunicorn, "
                 f"{report.receiver_kind(self.opts.receiver_workers, self.opts.receiver_threads)})")
             self._receiver = Receiver(self.env, self.work, workers=self.opts.receiver_workers,
-                                      threads=self.opts.receiver_threads)
+                                      threads=self.opts.receiver_threads, ready_path="/readyz",
+                                      extra_args=("--backlog", "2048"))
             self.cleanup.add("receiver", self._receiver.stop)
             self._receiver.start()
         return self._receiver
@@ -162,10 +168,15 @@ class Bench:
         if self.label == "empty":
             self.db.reset()
         else:
-            self.db.q(f"DELETE FROM ledger.events WHERE status IN {UNFINISHED}")
+            self.db.q(SQL.bench_delete_unfinished)
             # Back to the state TRUNCATE gives the empty ledger: unprocessed-set partial indexes
             # holding only live rows, so the comparison isolates the history (see docs: churn).
             self.db.vacuum("ledger.events", "ledger.deliveries", index_cleanup=True)
+
+    def fresh_backlog(self, count: int) -> list[BacklogEvent]:
+        """``count`` events under fresh ids (not loaded yet), on a cleared ledger."""
+        self.clear()
+        return self.source.backlog(count)
 
     def deliveries(self, templates, count: int, seed: int) -> list[SignedDelivery]:
         return payloads.signed_deliveries(templates, count, SECRET, seed=seed)
@@ -242,10 +253,9 @@ class Meter:
 
 def end_backends(b: Bench, application_name: str) -> None:
     """Make a process's Postgres backends exit (they publish their counters as they do)."""
-    b.db.q("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s"
-           " AND datname = current_database()", (application_name,))
+    b.db.q(SQL.bench_backends_terminate, {"application_name": application_name})
     deadline = time.monotonic() + 10
-    while b.db.one("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (application_name,)):
+    while b.db.one(SQL.bench_backends_count, {"application_name": application_name}):
         if time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -314,12 +324,7 @@ def _wait_drained(b: Bench, expected: int, timeout_s: float) -> None:
 
 
 def _run_stats(b: Bench, ids: list[str]) -> dict[str, Any]:
-    row = b.db.q(
-        "SELECT count(*) FILTER (WHERE e.status = 'processed'), count(*) FILTER (WHERE e.status <> 'processed'),"
-        "       extract(epoch FROM min(a.started_at)), extract(epoch FROM max(e.processed_at)),"
-        "       extract(epoch FROM max(e.processed_at - e.received_at)), extract(epoch FROM min(e.received_at))"
-        "  FROM ledger.events e LEFT JOIN ledger.attempts a ON a.event_id = e.id AND a.attempt = 1"
-        " WHERE e.id = ANY(%s)", (ids,))[0]
+    row = b.db.q(SQL.bench_run_stats, {"ids": ids})[0]
     processed, other, first, last, oldest, first_received = row
     return {"processed": processed, "not_processed": other, "first_claim": float(first or 0),
             "last_processed": float(last or 0), "max_wait_s": float(oldest or 0),
@@ -336,8 +341,7 @@ def drain(b: Bench) -> dict[str, Any]:
     n_events = opts.drain_events
     runs = []
     for workers in opts.worker_counts:
-        b.clear()
-        events = b.source.backlog(n_events)
+        events = b.fresh_backlog(n_events)
         ids = [e.id for e in events]
         load_received(b.db.url, events)
         push_wakeups(b.redis.url, QUEUE, ids)
@@ -366,12 +370,11 @@ def drain(b: Bench) -> dict[str, Any]:
         if meter:  # the workers have exited: their counters are published
             b.results.setdefault("_meters", {}).setdefault(b.label, {})["cost_worker"] = \
                 meter.finish("event_finish_if_lease_held")
-        failed = b.db.one("SELECT count(*) FROM ledger.events WHERE id = ANY(%s) AND status LIKE 'failed%%'", (ids,))
+        failed = b.db.one(SQL.bench_events_failed_count, {"ids": ids})
         eps = (p1 - p0) / (t1 - t0)
 
         # The limit: pgbench sending the same statements, for a fresh copy of the backlog.
-        b.clear()
-        limit_events = b.source.backlog(n_events)
+        limit_events = b.fresh_backlog(n_events)
         load_received(b.db.url, limit_events)
         script = DrainScript(limit_events)
         script.load(b.db.url)
@@ -384,8 +387,7 @@ def drain(b: Bench) -> dict[str, Any]:
         else:
             pgb = run_pgbench(b.pg_parts, [path], workers, seconds=opts.drain_pgbench_s, defines=defines,
                               log_dir=b.work)
-        limit_done = b.db.one("SELECT count(*) FROM ledger.events WHERE id = ANY(%s) AND status = 'processed'",
-                              ([e.id for e in limit_events],))
+        limit_done = b.db.one(SQL.bench_events_processed_count, {"ids": [e.id for e in limit_events]})
         run = {"workers": workers, "events": n_events, "processed": p1 - p0, "errors": failed,
                "seconds": t1 - t0, "events_per_s": eps, "pgbench_tps": pgb.tps, "pgbench_processed": limit_done,
                "pgbench_failed": pgb.failed, "pgbench_statements_per_event": script.statements_per_event(),
@@ -417,9 +419,7 @@ class _Poller(threading.Thread):
     def run(self) -> None:
         with psycopg.connect(self.url, autocommit=True) as conn:
             while not self._halt.is_set():
-                depth, age = conn.execute(
-                    f"SELECT count(*), coalesce(extract(epoch FROM clock_timestamp() - min(received_at)), 0)"
-                    f"  FROM ledger.events WHERE status IN {UNFINISHED}").fetchone()
+                depth, age = conn.execute(SQL.bench_backlog_depth_and_age).fetchone()
                 self.samples.append((time.time(), depth, float(age)))
                 self._halt.wait(self.interval_s)
 
@@ -441,7 +441,7 @@ def _ensure_recorded(b: Bench, rc: Receiver, deliveries: list[SignedDelivery], *
     for _ in range(5):
         deadline = time.monotonic() + settle_s
         while True:
-            present = {r[0] for r in b.db.q("SELECT id FROM ledger.events WHERE id = ANY(%s)", (ids,))}
+            present = {r[0] for r in b.db.q(SQL.bench_events_present, {"ids": ids})}
             missing = [d for d in deliveries if d.event_id not in present]
             if not missing or time.monotonic() > deadline:
                 break
@@ -479,15 +479,14 @@ def _ack_vs_backlog(b: Bench, rc: Receiver) -> dict[str, Any]:
 def burst(b: Bench) -> dict[str, Any]:
     opts = b.opts
     rc = b.receiver()
-    b.clear()
-    events = b.source.backlog(opts.burst_events)
+    events = b.fresh_backlog(opts.burst_events)
     now = int(time.time())
     deliveries = [SignedDelivery(e.id, e.body, payloads.sign(e.body, SECRET, timestamp=now)) for e in events]
     segments = 10
     size = len(deliveries) // segments
     log(f"burst: {len(deliveries)} deliveries at c={opts.burst_connections} while 2 workers run"
         f" (nice {opts.burst_worker_nice})")
-    with b.fleet(2, label="burst", nice=opts.burst_worker_nice) as fleet:
+    with b.fleet(2, label="burst", nice=opts.burst_worker_nice):
         poller = _Poller(b.db.monitor_url)
         poller.start()
         try:
@@ -548,11 +547,8 @@ def burst(b: Bench) -> dict[str, Any]:
 def replay(b: Bench) -> dict[str, Any]:
     opts = b.opts
     rc = b.receiver()
-    b.clear()
-    events = b.source.backlog(opts.replay_events)
-    load_received(b.db.url, events, status_sql=(
-        "UPDATE ledger.events SET status = 'failed_permanent', failure_reason = 'unsupported_type',"
-        " last_error = 'no handler (benchmark)', attempts = 1, updated_at = now() WHERE id = ANY(%(ids)s)"))
+    events = b.fresh_backlog(opts.replay_events)
+    load_received(b.db.url, events, status_sql=SQL.bench_seed_failed_permanent)
     b.db.vacuum("ledger.events")
     templates = b.templates
     b.wrk.run(rc.port, b.deliveries(templates, 300, seed=98), 8, max_duration_s=30)  # warm-up
@@ -577,11 +573,11 @@ def replay(b: Bench) -> dict[str, Any]:
         except BaseException as exc:  # reported by the main thread
             box["error"] = exc
 
-    recorded_before = b.db.one("SELECT count(*) FROM ledger.events")
+    recorded_before = b.db.one(SQL.bench_events_count)
     thread = threading.Thread(target=live_ingest, daemon=True)
     thread.start()
     deadline = time.monotonic() + 120
-    while b.db.one("SELECT count(*) FROM ledger.events") < recorded_before + 200:
+    while b.db.one(SQL.bench_events_count) < recorded_before + 200:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError(f"the live ingest did not start: {box.get('error')}")
         time.sleep(0.05)
@@ -602,11 +598,8 @@ def replay(b: Bench) -> dict[str, Any]:
             proc.wait()
         b.cleanup.remove(proc.kill)
     replay_ids = [e.id for e in events]
-    live_during = b.db.one(
-        "SELECT count(*) FROM ledger.events WHERE received_at BETWEEN (SELECT min(at) FROM ledger.audit)"
-        " AND (SELECT max(at) FROM ledger.audit) AND NOT id = ANY(%s)", (replay_ids,))
-    first, last, replayed = b.db.q("SELECT extract(epoch FROM min(at)), extract(epoch FROM max(at)), count(*)"
-                                   " FROM ledger.audit")[0]
+    live_during = b.db.one(SQL.bench_live_events_during_replay, {"ids": replay_ids})
+    first, last, replayed = b.db.q(SQL.bench_replay_window)[0]
     seconds = float(last - first) if replayed > 1 else 0.0
     live_rps_during = live_during / seconds if seconds else live.rps
     result = {"events": len(events), "replayed": replayed, "exit_code": proc.returncode,
@@ -632,11 +625,9 @@ def _unfinished_set(b: Bench) -> list[str]:
     events = b.source.backlog(1000)
     ids = [e.id for e in events]
     load_received(b.db.url, events)
-    b.db.q("UPDATE ledger.events SET wakeup_at = now() - interval '1 hour' WHERE id = ANY(%s)", (ids[:500],))
-    b.db.q("UPDATE ledger.events SET status = 'failed_recoverable', failure_reason = 'db_unavailable',"
-           " attempts = 1, next_attempt_at = now() + interval '1 hour' WHERE id = ANY(%s)", (ids[500:800],))
-    b.db.q("UPDATE ledger.events SET status = 'processing', lease_owner = 'bench', attempts = 1,"
-           " lease_expires_at = now() + interval '1 hour' WHERE id = ANY(%s)", (ids[800:],))
+    b.db.q(SQL.bench_seed_overdue_wakeups, {"ids": ids[:500]})
+    b.db.q(SQL.bench_seed_scheduled_retries, {"ids": ids[500:800]})
+    b.db.q(SQL.bench_seed_live_leases, {"ids": ids[800:]})
     b.db.vacuum("ledger.events")
     return ids
 
@@ -652,7 +643,7 @@ def sweep(b: Bench) -> dict[str, Any]:
     b.clear()
     _unfinished_set(b)
     params = {"overdue_s": 15.0, "batch": 500}
-    explain = "EXPLAIN (ANALYZE, BUFFERS) " + SQL.event_sweep_overdue_wakeups
+    explain = compose(SQL.bench_explain, statement=pg_sql.SQL(LEDGER_SQL.event_sweep_overdue_wakeups))
     timings, plan = [], ""
     with psycopg.connect(b.db.url) as conn:
         for _ in range(15):
@@ -670,8 +661,8 @@ def sweep(b: Bench) -> dict[str, Any]:
     finally:
         pool.close()
         celery.close()
-    partial = [r[0] for r in b.db.q("SELECT indexname FROM pg_indexes WHERE schemaname = 'ledger' AND tablename ="
-                                    " 'events' AND indexdef LIKE %s", ("%WHERE (status = ANY%received%processing%",))]
+    partial = [r[0] for r in b.db.q(SQL.bench_events_partial_indexes,
+                                    {"pattern": "%WHERE (status = ANY%received%processing%"})]
     b.clear()
     out = {"pass_ms": pass_ms, "redriven": result.redriven, "query_ms_median": statistics.median(timings),
            "query_ms_min": min(timings), "plan": plan, "partial_indexes": partial}
@@ -690,25 +681,25 @@ def prefill_history(b: Bench) -> dict[str, Any]:
     template = payloads.body(sample).replace(sample["id"], "__EVT__").replace(
         sample["data"]["object"]["id"], "__CUS__")
     compact = json.dumps(json.loads(template), separators=(",", ":"))
-    events_sql, other_sql = history_sql(total, compact)
-    rebuilt = b.db.q("SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'ledger' AND tablename IN"
-                     " ('events', 'deliveries') AND indexdef NOT LIKE '%% WHERE %%' AND indexname NOT LIKE '%%pkey'")
+    events_sql, other_sql, params = history_sql(total, compact)
+    rebuilt = b.db.q(SQL.bench_history_secondary_indexes)
     started = time.monotonic()
     errors: list[BaseException] = []
 
-    def run(statements: list[str]) -> None:
+    def run(statements: list[str], params: dict[str, Any] | None = None) -> None:
         try:
             with psycopg.connect(b.db.url, autocommit=True) as conn:
-                conn.execute("SET session_replication_role = replica")  # no FK triggers: consistent by construction
-                conn.execute("SET maintenance_work_mem = '512MB'")
+                conn.execute(SQL.bench_bulk_load_replica)
+                conn.execute(SQL.bench_bulk_load_memory)
                 for statement in statements:
-                    conn.execute(statement)
+                    conn.execute(statement, params)
         except BaseException as exc:  # re-raised below
             errors.append(exc)
 
     for name, _ in rebuilt:
-        b.db.q(f"DROP INDEX ledger.{name}")
-    threads = [threading.Thread(target=run, args=(events_sql,)), threading.Thread(target=run, args=(other_sql,))]
+        b.db.q(compose(SQL.bench_index_drop, index=f"ledger.{name}"))
+    threads = [threading.Thread(target=run, args=(events_sql, params)),
+               threading.Thread(target=run, args=(other_sql, params))]
     for t in threads:
         t.start()
     for t in threads:
@@ -724,18 +715,15 @@ def prefill_history(b: Bench) -> dict[str, Any]:
         raise errors[0]
     load_s = time.monotonic() - started
     b.db.vacuum()
-    # Write the history's dirty pages now, not in a checkpoint during the measurements after it.
-    b.db.q("CHECKPOINT")
-    sizes = dict(b.db.q("SELECT relname, pg_total_relation_size(oid) FROM pg_class "
-                        "WHERE relname IN ('events', 'deliveries', 'attempts', 'subscriptions', 'invoices',"
-                        " 'customers', 'subscription_transitions', 'entitlements') AND relkind = 'r'"))
-    counts = {t: b.db.one(f"SELECT count(*) FROM {t}") for t in
+    b.db.q(SQL.bench_checkpoint)
+    sizes = dict(b.db.q(SQL.bench_relation_sizes))
+    counts = {t: b.db.one(compose(SQL.bench_rows, table=t)) for t in
               ("ledger.events", "ledger.attempts", "ledger.deliveries", "billing.customers",
                "billing.subscriptions", "billing.invoices", "billing.subscription_transitions",
                "billing.entitlements")}
     result = {"events": total, "load_s": load_s, "total_s": time.monotonic() - started,
               "payload_bytes": len(compact), "rows": counts, "rebuilt_indexes": [n for n, _ in rebuilt],
-              "database_mb": b.db.one("SELECT pg_database_size(current_database())") / 2**20,
+              "database_mb": b.db.one(SQL.bench_database_size) / 2**20,
               "relation_mb": {k: v / 2**20 for k, v in sizes.items()}}
     log(f"  history written in {result['load_s']:.0f}s, vacuumed in {result['total_s'] - result['load_s']:.0f}s "
         f"(database {result['database_mb']:.0f} MB)")
@@ -860,7 +848,7 @@ def profile(b: Bench) -> dict[str, Any]:
     out = {}
     seconds = 6 if b.opts.quick else 12
     b.wrk.run(rc.port, b.deliveries(b.templates, 600, seed=30), 8, max_duration_s=30)  # warm-up
-    spies = _spy(pyspy, rc.worker_pids(), seconds, b.work / "profile-receiver.txt")
+    spies = _spy(pyspy, rc.children(), seconds, b.work / "profile-receiver.txt")
     time.sleep(0.5)
     r = b.wrk.run(rc.port, b.deliveries(b.templates, int(400 * seconds), seed=31), 8, max_duration_s=seconds - 1)
     raws = _collect(b, spies)

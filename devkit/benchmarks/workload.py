@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import sql as pg_sql
 import redis
 
+from devkit.sql import SQL, compose
 from ledger.config import Settings
-from ledger.queries import SQL
+from ledger.queries import SQL as LEDGER_SQL
 from workers.app import make_celery
 from workers.wakeup import Waker
 
@@ -34,6 +36,8 @@ def _retag(text: str, tag: str) -> str:
     return _ID.sub(lambda m: f"{m[1]}_{tag}{m[2][len(tag):]}", text)
 
 
+# The fields of ledger.store.IncomingEvent (what the receiver records) plus what pgbench replays;
+# a type of its own so that the benchmark's extras stay out of the product's.
 @dataclass(frozen=True)
 class BacklogEvent:
     id: str
@@ -174,17 +178,16 @@ def load_received(url: str, events: list[BacklogEvent], *, status_sql: str | Non
     """COPY the events in as ``received`` (plus a delivery row each), as the receiver would leave them."""
     with psycopg.connect(url, autocommit=True) as conn:
         with conn.transaction():
-            with conn.cursor().copy("COPY ledger.events (id, type, stripe_created, livemode, api_version, account,"
-                                    " payload) FROM STDIN") as copy:
+            with conn.cursor().copy(SQL.bench_backlog_copy_events) as copy:
                 for e in events:
                     copy.write_row((e.id, e.type, datetime.fromtimestamp(e.created, tz=timezone.utc), e.livemode,
                                     e.api_version, e.account, e.body))
-            with conn.cursor().copy("COPY ledger.deliveries (event_id) FROM STDIN") as copy:
+            with conn.cursor().copy(SQL.bench_backlog_copy_deliveries) as copy:
                 for e in events:
                     copy.write_row((e.id,))
             if status_sql:
                 conn.execute(status_sql, {"ids": [e.id for e in events]})
-        conn.execute("ANALYZE ledger.events")
+        conn.execute(SQL.bench_analyze_events)
 
 
 def push_wakeups(broker_url: str, queue: str, event_ids: list[str]) -> None:
@@ -277,16 +280,16 @@ class DrainScript:
                   "attempt": ":cl_attempts"}
         lines = ["\\set i :i + 1",
                  "\\set n :client_id + 1 + :nclients * (:i - 1)",
-                 "SELECT * FROM bench.drain_work WHERE n = :n \\gset",
-                 pgbench_sql(SQL.event_claim, var=lambda p: ledger[p]).rstrip(";") + "\n\\gset cl_",
+                 pgbench_sql(SQL.bench_drain_work_row, var=lambda p: ":n").rstrip(";") + " \\gset",
+                 pgbench_sql(LEDGER_SQL.event_claim, var=lambda p: ledger[p]).rstrip(";") + "\n\\gset cl_",
                  "BEGIN;",
-                 pgbench_sql(SQL.event_lock_if_lease_held, var=lambda p: ledger[p])]
+                 pgbench_sql(LEDGER_SQL.event_lock_if_lease_held, var=lambda p: ledger[p])]
         for statements, kind in self.kinds.items():
             lines.append(f"\\{'if' if kind == 1 else 'elif'} :kind = {kind}")
             for j, sql in enumerate(statements):
                 lines.append(pgbench_sql(sql.replace("%%", "%"), var=self._var(j)))
         lines.append("\\endif")
-        lines.append(pgbench_sql(SQL.event_finish_if_lease_held, var=lambda p: ledger[p]))
+        lines.append(pgbench_sql(LEDGER_SQL.event_finish_if_lease_held, var=lambda p: ledger[p]))
         lines.append("COMMIT;")
         return "\n".join(lines) + "\n"
 
@@ -297,18 +300,17 @@ class DrainScript:
 
     def load(self, url: str) -> None:
         cols = self.columns
+        typed = pg_sql.SQL("").join(pg_sql.SQL(", {} text").format(pg_sql.Identifier(c)) for c in cols)
+        named = pg_sql.SQL("").join(pg_sql.SQL(", {}").format(pg_sql.Identifier(c)) for c in cols)
         with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute("DROP TABLE IF EXISTS bench.drain_work")
-            conn.execute("CREATE TABLE bench.drain_work (n integer PRIMARY KEY, ev_id text NOT NULL,"
-                         " kind integer NOT NULL, worker text NOT NULL, lease_owner text NOT NULL"
-                         + "".join(f", {c} text" for c in cols) + ")")
-            with conn.cursor().copy(f"COPY bench.drain_work (n, ev_id, kind, worker, lease_owner"
-                                    f"{''.join(', ' + c for c in cols)}) FROM STDIN") as copy:
+            conn.execute(SQL.bench_drain_work_drop)
+            conn.execute(compose(SQL.bench_drain_work_create, parameter_columns=typed))
+            with conn.cursor().copy(compose(SQL.bench_drain_work_copy, parameter_columns=named)) as copy:
                 for n, e in enumerate(self.events, start=1):
                     values = e.params["values"]
                     copy.write_row((n, e.id, self.kinds[e.params["statements"]], f"pgbench:{n}", uuid.uuid4().hex,
                                     *(values.get(c) for c in cols)))
-            conn.execute("ANALYZE bench.drain_work")
+            conn.execute(SQL.bench_drain_work_analyze)
 
 
 def ingest_scripts(work_dir: Path, deliveries_sample: list) -> tuple[list[Path], dict[str, str]]:
@@ -334,7 +336,7 @@ def ingest_scripts(work_dir: Path, deliveries_sample: list) -> tuple[list[Path],
                 names[name] = "NULL::text"
         path = work_dir / f"ingest-{k}.sql"
         path.write_text("\\set r random(1, 1000000000000000)\n"
-                        + pgbench_sql(SQL.event_record_delivery, var=lambda p: names[p]) + "\n")
+                        + pgbench_sql(LEDGER_SQL.event_record_delivery, var=lambda p: names[p]) + "\n")
         scripts.append(path)
     return scripts, defines
 
@@ -347,73 +349,23 @@ HISTORY_TYPES = ["customer.created", "customer.subscription.created", "customer.
                  "customer.subscription.updated", "customer.subscription.updated", "customer.subscription.deleted"]
 
 
-def history_sql(total: int, payload_template: str) -> tuple[list[str], list[str]]:
-    """Set-based statements that write ``total`` processed events (one delivery and one attempt
-    each) and the business rows their lifecycles leave: a customer, a subscription (half
-    of them canceled, half active with two entitlements), two invoices and six
-    subscription transitions per ten events.
+def history_sql(total: int, payload_template: str) -> tuple[list[str], list[str], dict[str, Any]]:
+    """Set-based statements (devkit/sql/bench_load.sql) that write ``total`` processed events
+    (one delivery and one attempt each) and the business rows their lifecycles leave: a
+    customer, a subscription (half of them canceled, half active with two entitlements),
+    two invoices and six subscription transitions per ten events; and their parameters.
 
     Two lists of about equal cost that may run at once on two connections
     (foreign-key triggers off: the rows are consistent by construction).
     ``payload_template`` holds ``__EVT__`` and ``__CUS__`` where the ids go.
     """
-    lifecycles = total // 10
-    types = "ARRAY[" + ", ".join(f"'{t}'" for t in HISTORY_TYPES) + "]"
     head, rest = payload_template.split("__EVT__", 1)
     middle, tail = rest.split("__CUS__", 1)
-    q = lambda text: "'" + text.replace("'", "''") + "'"  # noqa: E731
-    at = "now() - interval '400 days' + g * interval '30 seconds'"
-    events = [
-        f"""INSERT INTO ledger.events (id, type, status, attempts, stripe_created, livemode, api_version, payload,
-                                       received_at, wakeup_at, processed_at, updated_at)
-            SELECT x.id, ({types})[1 + g % 10], 'processed', 1, {at}, false, '2020-08-27',
-                   ({q(head)} || x.id || {q(middle)} || 'cus_' || substr(md5('c' || g / 10), 1, 24) || {q(tail)})::json,
-                   {at}, {at}, {at} + interval '150 ms', {at} + interval '150 ms'
-              FROM generate_series(0, {total - 1}) AS g,
-                   LATERAL (SELECT 'evt_' || substr(md5('e' || g), 1, 24) AS id) AS x
-             ORDER BY x.id""",
-    ]
-    others = [
-        f"""INSERT INTO ledger.deliveries (event_id, delivered_at)
-            SELECT 'evt_' || substr(md5('e' || g), 1, 24), {at} FROM generate_series(0, {total - 1}) AS g""",
-        f"""INSERT INTO ledger.attempts (event_id, attempt, worker, lease_owner, started_at, finished_at, outcome)
-            SELECT 'evt_' || substr(md5('e' || g), 1, 24), 1, 'history:1', 'history',
-                   {at} + interval '50 ms', {at} + interval '150 ms', 'processed'
-              FROM generate_series(0, {total - 1}) AS g
-             ORDER BY 1""",
-        f"""INSERT INTO billing.customers (id, email, livemode, metadata, source_event_id, source_event_created)
-            SELECT 'cus_' || substr(md5('c' || c), 1, 24), 'cus' || c || '@example.test', false, '{{}}',
-                   'evt_' || substr(md5('e' || c * 10), 1, 24), now() - interval '400 days' + c * interval '300 seconds'
-              FROM generate_series(0, {lifecycles - 1}) AS c""",
-        f"""INSERT INTO billing.subscriptions (id, customer_id, status, price_id, product_id, quantity,
-                   current_period_start, current_period_end, canceled_at, ended_at, features, livemode,
-                   source_event_id, source_event_created)
-            SELECT 'sub_' || substr(md5('s' || c), 1, 24), 'cus_' || substr(md5('c' || c), 1, 24),
-                   CASE WHEN c % 2 = 0 THEN 'canceled' ELSE 'active' END, 'price_hist', 'prod_hist', 1,
-                   now() - interval '400 days', now() - interval '370 days',
-                   CASE WHEN c % 2 = 0 THEN now() - interval '370 days' END,
-                   CASE WHEN c % 2 = 0 THEN now() - interval '370 days' END,
-                   '{{seats,reports}}', false, 'evt_' || substr(md5('e' || (c * 10 + 9)), 1, 24),
-                   now() - interval '400 days' + (c * 10 + 9) * interval '30 seconds'
-              FROM generate_series(0, {lifecycles - 1}) AS c""",
-        f"""INSERT INTO billing.invoices (id, customer_id, subscription_id, status, amount_due, amount_paid, currency,
-                   period_start, period_end, billing_reason, livemode, source_event_id, source_event_created)
-            SELECT 'in_' || substr(md5('i' || c || '-' || k), 1, 24), 'cus_' || substr(md5('c' || c), 1, 24),
-                   'sub_' || substr(md5('s' || c), 1, 24), 'paid', 1500, 1500, 'usd',
-                   now() - interval '400 days', now() - interval '370 days', 'subscription_cycle', false,
-                   'evt_' || substr(md5('e' || (c * 10 + 6)), 1, 24),
-                   now() - interval '400 days' + (c * 10 + 6) * interval '30 seconds'
-              FROM generate_series(0, {lifecycles - 1}) AS c, generate_series(1, 2) AS k""",
-        f"""INSERT INTO billing.subscription_transitions (event_id, event_type, subscription_id, from_status,
-                   to_status, applied, event_created)
-            SELECT 'evt_' || substr(md5('e' || (c * 10 + s)), 1, 24), ({types})[1 + s],
-                   'sub_' || substr(md5('s' || c), 1, 24), 'active', 'active', true,
-                   now() - interval '400 days' + (c * 10 + s) * interval '30 seconds'
-              FROM generate_series(0, {lifecycles - 1}) AS c, unnest(ARRAY[1, 2, 5, 7, 8, 9]) AS s
-             ORDER BY 1""",
-        f"""INSERT INTO billing.entitlements (customer_id, feature, source)
-            SELECT 'cus_' || substr(md5('c' || c), 1, 24), f, 'subscription'
-              FROM generate_series(1, {lifecycles - 1}, 2) AS c, unnest(ARRAY['seats', 'reports']) AS f""",
-    ]
+    params = {"total": total, "lifecycles": total // 10, "types": HISTORY_TYPES,
+              "head": head, "middle": middle, "tail": tail}
     # customers, subscriptions and entitlements go with the events; the rest with the deliveries.
-    return events + [others[2], others[3], others[6]], [others[0], others[1], others[4], others[5]]
+    return ([SQL.bench_history_events, SQL.bench_history_customers, SQL.bench_history_subscriptions,
+             SQL.bench_history_entitlements],
+            [SQL.bench_history_deliveries, SQL.bench_history_attempts, SQL.bench_history_invoices,
+             SQL.bench_history_transitions],
+            params)
