@@ -21,15 +21,12 @@ import pytest
 from pytest_bdd import given, parsers, scenarios, then, when
 
 from devkit.factories import BASIL_API, OLD_API, SubscriptionHistory, event, new_id
+from devkit.procs import free_port, pid_alive, wait_until
 from devkit.stripe_sim import MANUAL, Answer, SimEvent, StripeSimulator, fixture_events
-from tests.conftest import FIXTURES_DIR, WEBHOOK_SECRET
 from tests.support import acceptance_business
 from tests.support.acceptance import DEADLINE_S, Ledger, Stack, Stacks, kill_pid, sweep_until_redriven
-from devkit.servers import free_port
+from tests.support.constants import FIXTURES_DIR, WEBHOOK_SECRET
 from tests.support.receiver import receiver_env
-from tests.support.workers import pid_alive, wait_for
-
-pytestmark = pytest.mark.e2e
 
 scenarios("features")
 
@@ -202,8 +199,8 @@ def _(world):
 @when("the worker process is killed with SIGKILL while it holds its uncommitted business write")
 def _(world):
     marker = world.stall_marker
-    pid = int(wait_for(lambda: marker.exists() and marker.read_text(), timeout_s=DEADLINE_S,
-                       what="the worker to stall between its business write and the commit"))
+    pid = int(wait_until(lambda: marker.exists() and marker.read_text(), timeout_s=DEADLINE_S,
+                         what="the worker to stall between its business write and the commit"))
     assert pid in world.stack.worker.children() or not pid_alive(pid), "the stalled process is a worker's child"
     kill_pid(pid)
     world.killed_pid = pid
@@ -288,7 +285,7 @@ def _(world):
 
     def failed_attempt():
         return [a for a in world.ledger.attempts(evt.id) if a["outcome"] == "failed_recoverable"]
-    [first, *_] = wait_for(failed_attempt, timeout_s=DEADLINE_S, what=f"an attempt at {evt.id} to fail")
+    [first, *_] = wait_until(failed_attempt, timeout_s=DEADLINE_S, what=f"an attempt at {evt.id} to fail")
     assert first["error_class"] == "SerializationFailure" and "40001" in first["error"], first
     # Nothing of the failed attempt is kept: neither the credits nor the built-in invoice write.
     invoice_id = evt.data["data"]["object"]["id"]
@@ -366,8 +363,8 @@ def _(world):
 
 @when(parsers.parse("{rescue} after the dead worker's lease expired"))
 def _(world, rescue):
-    wait_for(lambda: (lambda r: r["lease_expires_at"] < r["db_now"])(world.ledger.event(world.event.id)),
-             timeout_s=DEADLINE_S, what="the dead worker's lease to expire")
+    wait_until(lambda: (lambda r: r["lease_expires_at"] < r["db_now"])(world.ledger.event(world.event.id)),
+               timeout_s=DEADLINE_S, what="the dead worker's lease to expire")
     if rescue == "Stripe delivers the event again":
         world.answers.append(world.stripe.send(world.event, MANUAL))
         assert world.answer.ok and world.answer.outcome["enqueued"] is True, world.answer

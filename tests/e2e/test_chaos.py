@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from tests.conftest import ADMIN_URL
-from tests.support.workers import REPO
+from devkit.procs import REPO
+from tests.support.postgres import ADMIN_URL
 
 EVENTS = int(os.environ.get("CHAOS_EVENTS", "300"))
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from devkit.servers import free_port
+from devkit.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVSTACK = ROOT / "ops" / "devstack"

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -18,14 +16,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from devkit.factories import body_of, event, sign
-from tests.conftest import WEBHOOK_SECRET
-from devkit.servers import free_port
+from devkit.procs import free_port, wait_until
+from devkit.stack import Sweep
+from tests.support.constants import WEBHOOK_SECRET
+from tests.support.outbox_handlers import outbox_with_every_state
 from tests.support.receiver import WakeupQueue, receiver_env
-from tests.support.workers import LEDGERCTL, REPO, env_for, wait_for
+from tests.support.workers import env_for
 from workers.app import make_celery
 from workers.wakeup import Waker
-
-pytestmark = pytest.mark.e2e
 
 
 def scrape(port: int) -> str | None:
@@ -60,7 +58,7 @@ def scrape_until(port: int, expected: dict[tuple, float], what: str) -> dict:
         return all(last.get((name, frozenset(labels))) == v for (name, labels), v in expected.items())
 
     try:
-        wait_for(matches, timeout_s=30, interval_s=0.1, what=what)
+        wait_until(matches, timeout_s=30, interval_s=0.1, what=what)
     except AssertionError:
         wrong = {k: (last.get((k[0], frozenset(k[1]))), v) for k, v in expected.items()
                  if last.get((k[0], frozenset(k[1]))) != v}
@@ -73,25 +71,18 @@ def key(name: str, **labels: str) -> tuple[str, tuple]:
 
 
 @pytest.fixture
-def spawn(tmp_path):
-    """Start a command in a process group of its own (output to a log file); SIGKILL the group at teardown."""
-    started: list[subprocess.Popen] = []
+def start_sweep(tmp_path):
+    """Start ``ledgerctl sweep --loop`` (devkit.stack.Sweep) with this environment; SIGKILL its group at teardown."""
+    started: list[Sweep] = []
 
-    def start(cmd: list[str], env: dict[str, str], name: str) -> subprocess.Popen:
-        log = open(tmp_path / f"{name}.log", "wb")
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
-        started.append(proc)
-        return proc
+    def start(env: dict[str, str]) -> Sweep:
+        sweep = Sweep(env, tmp_path)
+        started.append(sweep)
+        return sweep.start()
 
     yield start
-    for proc in started:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)
+    for sweep in started:
+        sweep.kill()
 
 
 def test_the_receiver_counts_requests_duplicates_and_latency_across_its_workers(
@@ -176,7 +167,7 @@ def test_a_worker_serves_attempt_retry_and_rescue_metrics_summed_over_its_childr
     assert any(f.startswith("counter_") for f in os.listdir(multiproc)), "children did not write to the dir"
 
 
-def test_the_sweep_loop_serves_ledger_gauges_and_its_redrives(prepared_ledger, kit, broker_settings, spawn):
+def test_the_sweep_loop_serves_ledger_gauges_and_its_redrives(prepared_ledger, kit, broker_settings, start_sweep):
     # Every unfinished event's wake-up is an hour old: the ones that could run now are overdue.
     kit.execute("UPDATE ledger.events SET wakeup_at = now() - interval '1 hour' "
                 "WHERE status IN ('received', 'processing', 'failed_recoverable')")
@@ -184,9 +175,7 @@ def test_the_sweep_loop_serves_ledger_gauges_and_its_redrives(prepared_ledger, k
     runnable = sorted(groups["received"] + groups["due_retry"] + groups["expired_lease"])
     settings = dataclasses.replace(broker_settings, sweep_overdue_s=600)  # one re-drive each, never a second
     port = free_port()
-    env = env_for(settings, extra={"METRICS_PORT": str(port)})
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    spawn([LEDGERCTL, "sweep", "--loop"], env, "sweep")
+    start_sweep(env_for(settings, extra={"METRICS_PORT": str(port)}))
 
     expected = {key("ledger_events", status=s): n for s, n in prepared_ledger.by_status().items()}
     expected.update({key("sweep_redrives_total"): len(runnable), key("ledger_due_retries"): 1,
@@ -202,3 +191,18 @@ def test_the_sweep_loop_serves_ledger_gauges_and_its_redrives(prepared_ledger, k
     assert [r["id"] for r in redriven] == runnable
     queue = WakeupQueue(settings.broker_url, settings.queue_name)
     assert sorted(m["args"][0] for m in queue.messages()) == runnable
+
+
+def test_the_sweep_service_serves_the_outbox_gauges(kit, broker_settings, effect_endpoint, start_sweep):
+    outbox_with_every_state(kit, effect_endpoint())
+    port = free_port()
+    sweep = start_sweep(env_for(broker_settings, extra={"METRICS_PORT": str(port), "LEDGER_SWEEP_INTERVAL_S": "0.5"}))
+
+    def scraped():
+        assert sweep.alive, sweep.log(2000)
+        return scrape(port)
+    text = wait_until(scraped, timeout_s=60, interval_s=0.2, what="the sweep's /metrics")
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert values["outbox_depth"] == 8
+    assert values["outbox_failed_permanent"] == 1
+    assert values["outbox_oldest_unsent_age_seconds"] > 0

@@ -5,24 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 
-import pytest
-
-from ledger.outbox import OutboxLedger
 from devkit.factories import SubscriptionHistory
-from tests.support.effect_endpoint import SECRET, free_port
-from tests.support.outbox_handlers import (LIFECYCLE_ENTITLEMENT_CHANGES, lifecycle_expected_keys, outbox_processor,
+from devkit.procs import free_port, wait_until
+from tests.support.effect_endpoint import SECRET
+from tests.support.outbox_handlers import (LIFECYCLE_ENTITLEMENT_CHANGES, customer_features, lifecycle_expected_keys,
                                            outbox_rows)
-from tests.support.workers import run_ledgerctl, wait_for
+from tests.support.workers import run_ledgerctl
 from workers.app import make_celery
-from workers.dispatcher import OutboxDispatcher
-from workers.effects import WebhookSender
-from workers.retry import RetryPolicy
 from workers.runtime import Runtime
-from workers.wakeup import Waker
-
-pytestmark = pytest.mark.e2e
 
 LEASE_S = 5  # the minimum Settings accepts: a killed worker's leases expire quickly
 
@@ -50,18 +41,15 @@ def _settle(runtime, check, *, what: str, timeout_s: float = 120):
     def step():
         runtime.sweeper.run_once()
         return check()
-    return wait_for(step, timeout_s=timeout_s, interval_s=0.25, what=what)
+    return wait_until(step, timeout_s=timeout_s, interval_s=0.25, what=what)
 
 
 def _poll(check, *, timeout_s: float):
     """``check()``'s first truthy value within ``timeout_s``, else None (no failure)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.01)
-    return None
+    try:
+        return wait_until(check, timeout_s=timeout_s, interval_s=0.01)
+    except AssertionError:
+        return None
 
 
 def _all_processed(kit, ids) -> bool:
@@ -75,11 +63,6 @@ def _statuses(kit) -> dict[str, int]:
 
 def _all_sent(kit) -> bool:
     return set(_statuses(kit)) == {"sent"}
-
-
-def _features(kit, customer_id: str) -> list[str]:
-    return sorted(r["feature"] for r in kit.query(
-        "SELECT DISTINCT feature FROM billing.entitlements WHERE customer_id = %s", (customer_id,)))
 
 
 def test_every_effect_lands_once_through_faults_kills_redeliveries_and_re_applies(
@@ -167,7 +150,7 @@ def test_every_effect_lands_once_through_faults_kills_redeliveries_and_re_applie
     # Entitlements: keeping each customer's highest sequence yields exactly the ledger's entitlements.
     final = endpoint.final_entitlements()
     for history, events in plans:
-        assert final[history.customer_id] == _features(kit, history.customer_id) == \
+        assert final[history.customer_id] == customer_features(kit, history.customer_id) == \
             ([] if len(events) == len(history.events) else ["reports", "seats"])
 
 
@@ -223,9 +206,9 @@ def test_the_event_ledger_never_waits_for_a_backend_that_is_down(
         # Processed, and not one effect delivered: the effects wait on their own, retrying.
         statuses = _statuses(kit)
         assert statuses and set(statuses) <= {"pending", "sending", "failed_recoverable"}
-        wait_for(lambda: kit.query("SELECT 1 FROM ledger.outbox WHERE status = 'failed_recoverable' "
-                                   "AND failure_reason = 'network' AND attempts >= 2"), timeout_s=60,
-                 what="deliveries retried against the closed port")
+        wait_until(lambda: kit.query("SELECT 1 FROM ledger.outbox WHERE status = 'failed_recoverable' "
+                                     "AND failure_reason = 'network' AND attempts >= 2"), timeout_s=60,
+                   what="deliveries retried against the closed port")
         assert not endpoint.running and endpoint.calls_total == {}
         payment_failed = {f"{h.events[4]['id']}:invoice.payment_failed" for h in histories}
         assert payment_failed <= {r["idempotency_key"] for r in outbox_rows(kit)}
@@ -238,47 +221,6 @@ def test_the_event_ledger_never_waits_for_a_backend_that_is_down(
     assert payment_failed <= keys
     for h in histories:
         # (A customer whose events all raced past each other may have had nothing to announce.)
-        assert endpoint.final_entitlements().get(h.customer_id, []) == _features(kit, h.customer_id) == []
+        assert endpoint.final_entitlements().get(h.customer_id, []) == customer_features(kit, h.customer_id) == []
 
 
-def test_out_of_order_deliveries_still_leave_the_backend_with_each_customers_final_entitlements(
-        kit, effect_endpoint):
-    endpoint = effect_endpoint()
-    processor = outbox_processor(kit)
-    histories = [SubscriptionHistory().lifecycle() for _ in range(4)]
-    plans = [(h, h.events[:upto]) for h, upto in zip(histories, (10, 9, 8, 6))]
-    for h, events in plans:
-        for evt_id in kit.record_many(events):
-            assert processor.process(evt_id) == "processed"
-
-    # Sequences follow recording order within each customer.
-    for h, events in plans:
-        rows = outbox_rows(kit, "ordering_key = %s AND effect = 'entitlements.changed'", (h.customer_id,))
-        position = {e["id"]: i for i, e in enumerate(events)}
-        assert [position[r["event_id"]] for r in rows] == sorted(position[r["event_id"]] for r in rows)
-
-    # Deliver newest first: every customer's announcements arrive in reverse.
-    order = sorted(outbox_rows(kit), key=lambda r: -r["id"])
-    sender = WebhookSender(endpoint.url, SECRET, timeout_s=5)
-    dispatcher = OutboxDispatcher(ledger=OutboxLedger(kit.pool()),
-                                  senders={"entitlements.changed": sender, "invoice.payment_failed": sender},
-                                  policy=RetryPolicy(), waker=None, lease_s=30)
-    for row in order:
-        assert dispatcher.dispatch(row["id"]) == "sent"
-
-    arrivals = endpoint.arrivals("entitlements.changed")
-    last_arrived: dict[str, list[str]] = {}
-    out_of_order = set()
-    for body in arrivals:
-        seen = [b["sequence"] for b in arrivals[:arrivals.index(body)] if b["ordering_key"] == body["ordering_key"]]
-        if seen and max(seen) > body["sequence"]:
-            out_of_order.add(body["ordering_key"])
-        last_arrived[body["ordering_key"]] = sorted(body["data"]["entitlements"])
-    assert out_of_order == {h.customer_id for h in histories}
-
-    final = endpoint.final_entitlements()
-    expected = {h.customer_id: _features(kit, h.customer_id) for h in histories}
-    assert final == expected
-    assert list(expected.values()) == [[], ["reports", "seats"], ["reports", "seats"], []]
-    # Whereas "the last one to arrive wins" would be wrong for some customer.
-    assert last_arrived != expected

@@ -1,14 +1,17 @@
-"""The real receiver, `gunicorn 'ingest.app:create_app()'`, as a subprocess."""
+"""The real receiver, `gunicorn 'ingest.app:create_app()'` (devkit.stack.Receiver), as a subprocess."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 
 import pytest
 
-from tests.conftest import WEBHOOK_SECRET
-from tests.support.receiver import count_events, deliver_at_once, event_body, event_row, receiver_env, sign
-
-pytestmark = pytest.mark.e2e
+from devkit.factories import sign
+from devkit.procs import run_together, signal_group
+from devkit.stack import Receiver, stack_env
+from tests.support.constants import WEBHOOK_SECRET
+from tests.support.receiver import count_events, event_body, event_row, receiver_env
 
 COPIES = 20
 # Each round is one more chance for copies to meet inside the INSERT.
@@ -41,7 +44,7 @@ def test_every_acknowledged_event_survives_a_kill_9_of_the_receiver_right_after_
 
 @pytest.mark.parametrize("worker_args", [
     pytest.param({"workers": 4}, id="4 sync workers"),
-    pytest.param({"workers": 2, "extra_args": ("--worker-class", "gthread", "--threads", "10")}, id="2x10 threads"),
+    pytest.param({"workers": 2, "threads": 10}, id="2x10 threads"),
 ])
 def test_twenty_concurrent_deliveries_of_one_event_to_the_real_receiver_make_one_row(
         db, redis_url, start_receiver, worker_args):
@@ -51,10 +54,32 @@ def test_twenty_concurrent_deliveries_of_one_event_to_the_real_receiver_make_one
 
     for body in bodies:
         headers = [_headers(body) for _ in range(COPIES)]
-        answers = deliver_at_once(lambda i: receiver.post(body.encode(), headers[i]), COPIES)
+        answers = run_together(lambda i: receiver.post(body.encode(), headers[i]), COPIES)
 
         assert sorted((a.status_code, a.json().get("outcome")) for a in answers) == (
             [(200, "duplicate")] * (COPIES - 1) + [(200, "received")]), receiver.log()
         row = event_row(db, json.loads(body)["id"])
         assert (row["status"], row["deliveries"], row["payload"]) == ("received", COPIES, body)
     assert count_events(db) == ROUNDS
+
+
+def test_gunicorn_with_a_missing_secret_exits_nonzero_and_prints_the_configuration_error(tmp_path):
+    # No STRIPE_WEBHOOK_SECRET (stack_env passes on none of the shell's); the URLs are never connected to.
+    receiver = Receiver(stack_env("postgresql://ledger:pg-password-123@127.0.0.1:5432/ledger",
+                                  "redis://:broker-password-456@127.0.0.1:6379/0"), tmp_path, workers=2)
+
+    proc = subprocess.Popen(receiver.cmd, cwd=receiver.cwd, env=receiver.env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        # A receiver that cannot start must stop, not respawn its workers forever.
+        output, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        signal_group(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail("gunicorn kept running without a webhook secret:\n" + output[-2000:])
+
+    assert proc.returncode != 0
+    assert "configuration error: STRIPE_WEBHOOK_SECRET is not set: the receiver cannot verify signatures" in output
+    # Not as a traceback of ours. (gunicorn itself may print one when both workers fail to boot at
+    # once: its halt reaps the second worker and raises HaltServer again. That is gunicorn's.)
+    assert "ConfigError" not in output and "ingest/app.py" not in output and "ledger/config.py" not in output

@@ -5,18 +5,15 @@ import dataclasses
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 import redis
 
 from devkit.factories import OLD_API, SubscriptionHistory, event
+from devkit.procs import pid_alive, wait_until
 from workers.app import make_celery
 from workers.runtime import Runtime
 from workers.wakeup import Waker
-from tests.support.workers import pid_alive, wait_for
-
-pytestmark = pytest.mark.e2e
 
 LEASE_S = 6  # the minimum Settings accepts; Celery's soft time limit is half of it
 
@@ -35,15 +32,15 @@ def test_a_worker_killed_before_commit_leaves_nothing_and_another_worker_complet
 
     first = worker_factory(settings, concurrency=1, label="doomed")
     assert waker.wake(evt_id)
-    pid = int(wait_for(lambda: marker.exists() and marker.read_text(), timeout_s=30,
-                       what="the handler to reach the point between its writes and the commit"))
+    pid = int(wait_until(lambda: marker.exists() and marker.read_text(), timeout_s=30,
+                         what="the handler to reach the point between its writes and the commit"))
     assert pid in first.children(), "the marker must come from the worker's prefork child"
 
     # The writes are made but not committed: nobody else sees them.
     assert kit.effects(evt_id) == 0
     assert set(kit.billing_counts().values()) == {0}
     os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not pid_alive(pid), timeout_s=10, what="the killed child to be gone")
+    wait_until(lambda: not pid_alive(pid), timeout_s=10, what="the killed child to be gone")
     first.kill()  # the host is gone with it: whoever completes the event is another worker
     # And the broker forgets the message it held (as after a Redis restart): from here on only the
     # rescue under test can wake the event.
@@ -58,8 +55,8 @@ def test_a_worker_killed_before_commit_leaves_nothing_and_another_worker_complet
     assert attempt["outcome"] == "running" and attempt["worker"].endswith(f":{pid}")
 
     second = worker_factory(settings, concurrency=1, label="rescuer")
-    wait_for(lambda: (lambda r: r["lease_expires_at"] < r["db_now"])(kit.event(evt_id)), timeout_s=30,
-             what="the dead worker's lease to expire")
+    wait_until(lambda: (lambda r: r["lease_expires_at"] < r["db_now"])(kit.event(evt_id)), timeout_s=30,
+               what="the dead worker's lease to expire")
     if rescue == "sweep re-drives it":
         result = Runtime(settings, make_celery(settings)).sweeper.run_once()
         assert result.redriven == 1 and not result.skipped_backlog

@@ -4,13 +4,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import pytest
-
 from devkit.factories import event
 from workers.app import make_celery
 from workers.wakeup import Waker
-
-pytestmark = pytest.mark.e2e
 
 
 def test_a_handler_failing_twice_then_succeeding_is_processed_by_real_workers_on_their_own(

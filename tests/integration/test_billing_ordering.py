@@ -11,7 +11,7 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from devkit.factories import BASIL_API, OLD_API, SubscriptionHistory
-from tests.support.workers import run_threads
+from devkit.procs import run_together
 from workers.processor import Outcome
 
 # Columns that record when a row was written, not what it says: excluded from the comparison.
@@ -164,6 +164,6 @@ def test_workers_applying_two_subscriptions_of_one_customer_concurrently_converg
                     return
                 outcomes.append(processor.process(evt_id))
 
-        run_threads(work, [(p,) for p in processors], timeout_s=60)
+        run_together(lambda i: work(processors[i]), len(processors))
         assert outcomes == [Outcome.PROCESSED] * len(events), seed
         assert snapshot(kit) == expected, seed

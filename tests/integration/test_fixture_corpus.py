@@ -9,7 +9,7 @@ import pytest
 
 from ledger.store import IncomingEvent
 from devkit.factories import BASIL_API, event
-from tests.conftest import FIXTURES_DIR, fixture_files
+from tests.support.constants import FIXTURES_DIR, fixture_files
 from workers.processor import Outcome
 
 # Types no built-in handler takes: they end failed_permanent / unsupported_type, by design.

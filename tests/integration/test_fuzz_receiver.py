@@ -25,8 +25,9 @@ from hypothesis import strategies as st
 from werkzeug.test import EnvironBuilder, run_wsgi_app
 from werkzeug.wrappers import Response
 
-from tests.conftest import WEBHOOK_SECRET
-from tests.support.receiver import event_body, sign
+from devkit.factories import sign
+from tests.support.constants import WEBHOOK_SECRET
+from tests.support.receiver import event_body
 
 MARKER = "fuzz-payload-marker-7d3a"
 SEED_ID = "evt_fuzz_seed_already_recorded"
@@ -104,7 +105,8 @@ def receiver(settings, make_receiver_app, db):
 
 
 def _signed(body: str | bytes, secret: str = WEBHOOK_SECRET, timestamp: int | None = None) -> dict:
-    return {"Content-Type": "application/json", "Stripe-Signature": sign(body, secret, timestamp)}
+    text = body.decode() if isinstance(body, bytes) else body
+    return {"Content-Type": "application/json", "Stripe-Signature": sign(text, secret, timestamp)}
 
 
 # -- strategies -------------------------------------------------------------------------------------

@@ -6,9 +6,10 @@ import re
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import WEBHOOK_SECRET
-from devkit.servers import free_port
-from tests.support.receiver import event_body, sign
+from devkit.factories import sign
+from devkit.procs import free_port
+from tests.support.constants import WEBHOOK_SECRET
+from tests.support.receiver import event_body
 
 
 def test_healthz_answers_200_without_touching_any_dependency(settings, make_receiver_app):

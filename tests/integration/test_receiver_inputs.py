@@ -13,8 +13,9 @@ import time
 import pytest
 
 from ledger.config import Settings
-from tests.conftest import WEBHOOK_SECRET
-from tests.support.receiver import PAYLOAD_MARKER, event_body, event_dict, event_row, ledger_snapshot, sign
+from devkit.factories import sign
+from tests.support.constants import WEBHOOK_SECRET
+from tests.support.receiver import PAYLOAD_MARKER, event_body, event_dict, event_row, ledger_snapshot
 
 SEED_ID = "evt_seed_already_recorded"
 UNKNOWN_SECRET = "whsec_unknown_to_the_receiver_42"
@@ -36,7 +37,7 @@ def _padded_event(size: int, event_id: str = "evt_sized") -> str:
 
 
 def _signed(body: str | bytes, secret: str = WEBHOOK_SECRET, timestamp: int | None = None) -> dict:
-    return {"Stripe-Signature": sign(body, secret, timestamp)}
+    return {"Stripe-Signature": sign(body.decode() if isinstance(body, bytes) else body, secret, timestamp)}
 
 
 def _post(body, headers=None, path="/webhooks/stripe"):

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import WEBHOOK_SECRET, fixture_files
-from devkit.servers import free_port
-from tests.support.receiver import count_events, deliver_at_once, event_body, event_row, execute, sign
+from devkit.factories import sign
+from devkit.procs import free_port, run_together
+from tests.support.constants import WEBHOOK_SECRET, fixture_files
+from tests.support.receiver import count_events, event_body, event_row, execute
 
 FIXTURES = fixture_files()
 COPIES = 20
@@ -22,8 +23,9 @@ ROUNDS = 5
 
 
 def _deliver(client, body: str | bytes):
+    text = body.decode() if isinstance(body, bytes) else body
     return client.post("/webhooks/stripe", data=body, headers={
-        "Stripe-Signature": sign(body, WEBHOOK_SECRET), "Content-Type": "application/json"})
+        "Stripe-Signature": sign(text, WEBHOOK_SECRET), "Content-Type": "application/json"})
 
 
 def test_a_new_event_is_recorded_as_received_and_one_wakeup_carrying_its_id_is_queued(
@@ -131,7 +133,7 @@ def test_concurrent_deliveries_of_one_event_make_one_row_and_count_every_deliver
     bodies = [event_body() for _ in range(ROUNDS)]
 
     for body in bodies:
-        answers = deliver_at_once(lambda i: _deliver(clients[i], body), COPIES)
+        answers = run_together(lambda i: _deliver(clients[i], body), COPIES)
 
         assert sorted((a.status_code, a.get_json()["outcome"]) for a in answers) == (
             [(200, "duplicate")] * (COPIES - 1) + [(200, "received")])

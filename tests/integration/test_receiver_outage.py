@@ -7,8 +7,9 @@ import time
 
 from ledger.config import Settings
 from ledger.migrate import migrate
-from tests.conftest import WEBHOOK_SECRET
-from tests.support.receiver import PAYLOAD_MARKER, count_events, event_body, event_row, sign
+from devkit.factories import sign
+from tests.support.constants import WEBHOOK_SECRET
+from tests.support.receiver import PAYLOAD_MARKER, count_events, event_body, event_row
 
 # Stripe retries a 503 for days; here redelivery is attempted until this deadline.
 REDELIVERY_DEADLINE_S = 30

@@ -1,27 +1,22 @@
-"""ledgerctl replay: after a fix, in bulk, as a dry run, with --force, with a fresh retry budget, never a live event.
+"""ledgerctl replay in-process: in bulk, as a dry run, with --force, with a fresh retry budget, never a live event.
 
-The ledger is real Postgres throughout; events end processed through a real worker process or the in-process
-processor (the same code a worker runs).
+The ledger is real Postgres throughout; events end processed through the in-process processor (the same
+code a worker runs). A replay after a fix, picked up by a real worker process, is in
+tests/e2e/test_ledgerctl_with_workers.py.
 """
 from __future__ import annotations
 
 import dataclasses
-import getpass
 import json
-import socket
 import time
 
 import pytest
 
 from devkit.factories import SubscriptionHistory, event
-from tests.support.receiver import WakeupQueue, ledger_snapshot
-from tests.support.workers import TEST_HANDLERS, RecordingWaker, run_ledgerctl
-from tests.support.replay_handlers import FIXED_TYPE, MODULE as FIXED_HANDLERS
-from workers.app import make_celery
+from tests.support.operator import ACTOR, audit, ledger_rows
+from tests.support.receiver import WakeupQueue
+from tests.support.workers import RecordingWaker
 from workers.processor import Outcome
-from workers.wakeup import Waker
-
-ACTOR = f"{getpass.getuser()}@{socket.gethostname()}"
 
 BILLING_TABLES = ("customers", "subscriptions", "invoices", "checkout_sessions", "entitlements",
                   "entitlement_summaries", "subscription_transitions")
@@ -29,13 +24,6 @@ BILLING_TABLES = ("customers", "subscriptions", "invoices", "checkout_sessions",
 
 def now() -> int:
     return int(time.time())
-
-
-def ledger_rows(kit) -> dict[str, list[str]]:
-    """Every row of ledger.events (payload included), attempts, deliveries and audit, as JSON text."""
-    snapshot = ledger_snapshot(kit.settings.database_url)
-    snapshot["audit"] = [r["j"] for r in kit.query("SELECT row_to_json(t)::text AS j FROM ledger.audit t ORDER BY id")]
-    return snapshot
 
 
 def event_rows(kit, ids) -> dict[str, str]:
@@ -50,58 +38,6 @@ def billing_rows(kit) -> dict[str, list[dict]]:
         found = kit.query(f"SELECT to_jsonb(t) - 'updated_at' AS r FROM billing.{table} t")
         rows[table] = sorted((r["r"] for r in found), key=lambda r: json.dumps(r, sort_keys=True))
     return rows
-
-
-def audit(kit, event_id: str | None = None) -> list[dict]:
-    return kit.query("SELECT event_id, action, actor, reason, from_status FROM ledger.audit "
-                     "WHERE %(id)s::text IS NULL OR event_id = %(id)s ORDER BY id", {"id": event_id})
-
-
-def wake(settings, event_id: str) -> None:
-    celery = make_celery(settings, publisher_only=True)
-    try:
-        assert Waker(celery).wake(event_id)
-    finally:
-        celery.close()
-
-
-@pytest.mark.e2e
-def test_an_event_without_a_handler_replayed_after_the_handler_is_deployed_is_processed_once(
-        kit, broker_settings, configured_worker_factory):
-    settings = broker_settings
-    evt_id = kit.record(event(FIXED_TYPE, {"id": "obj_fixed"}, created=now()))
-
-    before_fix = configured_worker_factory(settings, label="before-fix")  # the type has no handler yet
-    wake(settings, evt_id)
-    row = kit.wait_status(evt_id, "failed_permanent")
-    assert (row["failure_reason"], row["attempts"]) == ("unsupported_type", 1)
-    assert kit.effects(evt_id) == 0
-    before_fix.kill()
-
-    configured_worker_factory(settings, handler_modules=(TEST_HANDLERS, FIXED_HANDLERS), label="after-fix")
-    done = run_ledgerctl(settings, "replay", evt_id, "--why", "fixed")
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == f"replayed {evt_id} (was failed_permanent)"
-
-    row = kit.wait_status(evt_id, "processed")
-    assert kit.effects(evt_id) == 1
-    assert (row["attempts"], row["attempt_base"], row["failure_reason"], row["last_error"]) == (2, 1, None, None)
-    assert [(a["attempt"], a["outcome"], a["error_class"]) for a in kit.attempts(evt_id)] == [
-        (1, "failed_permanent", "UnsupportedType"), (2, "processed", None)]
-    assert kit.attempts(evt_id)[0]["error"] == f"no handler for event type {FIXED_TYPE}"
-    assert audit(kit, evt_id) == [{"event_id": evt_id, "action": "replay", "actor": ACTOR, "reason": "fixed",
-                                   "from_status": "failed_permanent"}]
-
-    shown = run_ledgerctl(settings, "events", "show", evt_id, "--json")
-    assert shown.returncode == 0, shown.stderr
-    detail = json.loads(shown.stdout)
-    assert [(a["attempt"], a["outcome"]) for a in detail["attempts"]] == [(1, "failed_permanent"), (2, "processed")]
-    assert [(a["action"], a["actor"], a["reason"]) for a in detail["audit"]] == [("replay", ACTOR, "fixed")]
-
-    # Done is done: without --force a second replay is skipped and nothing runs again.
-    again = run_ledgerctl(settings, "replay", evt_id, "--why", "again")
-    assert again.returncode == 1 and f"skipped  {evt_id}" in again.stdout
-    assert kit.status(evt_id) == "processed" and kit.effects(evt_id) == 1 and len(audit(kit)) == 1
 
 
 @pytest.fixture

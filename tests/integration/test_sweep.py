@@ -1,19 +1,16 @@
-"""The recovery sweep: re-drives lost wake-ups, never floods, and several sweepers never pick the same event."""
+"""The recovery sweep in-process: re-drives lost wake-ups, never floods, and several sweepers never pick the
+same event. ``ledgerctl sweep`` with a real worker is in tests/e2e/test_ledgerctl_with_workers.py."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
-import time
 
-import pytest
-
+from devkit.procs import run_together
 from ledger.store import WorkerLedger
-from devkit.factories import event
+from tests.support.workers import RecordingWaker
 from workers.app import make_celery
 from workers.sweep import Sweeper
 from workers.wakeup import Waker
-from tests.support.workers import RecordingWaker, run_ledgerctl, run_threads, wait_for
 
 BULK = 2000
 
@@ -33,28 +30,6 @@ def bulk_received(kit, n: int = BULK, *, wakeup_age_s: float = 0.0, prefix: str 
 
 def sweeper(kit, settings, waker=None, name: str = "sweep") -> Sweeper:
     return Sweeper(WorkerLedger(kit.pool(name)), waker or RecordingWaker(), make_celery(settings), settings)
-
-
-@pytest.mark.e2e
-def test_lost_wakeups_are_redriven_by_ledgerctl_sweep_and_processed_by_a_real_worker(
-        kit, broker_settings, worker_factory):
-    settings = dataclasses.replace(broker_settings, sweep_overdue_s=0.2)
-    ids = kit.record_many([event("test.effect", {"id": f"obj_{n}"}, created=int(time.time())) for n in range(5)])
-    worker_factory(settings, concurrency=2)  # running, but nobody ever told it about these events
-    wait_for(lambda: kit.query("SELECT count(*) AS n FROM ledger.events "
-                               "WHERE wakeup_at < now() - interval '0.2 s'")[0]["n"] == 5,
-             what="the wake-ups to be overdue")
-    assert all(kit.status(i) == "received" for i in ids)
-
-    done = run_ledgerctl(settings, "sweep", "--json")
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
-    assert result["redriven"] == 5 and result["skipped_backlog"] is False
-
-    for evt_id in ids:
-        row = kit.wait_status(evt_id, "processed", timeout_s=30)
-        assert row["attempts"] == 1 and row["redrives"] == 0  # a claim resets the re-drive count
-        assert kit.effects(evt_id) == 1
 
 
 def test_one_pass_redrives_nothing_while_every_wakeup_is_recent(kit, settings):
@@ -163,7 +138,8 @@ def test_two_sweepers_running_at_once_never_pick_the_same_event(kit, settings):
         except BaseException as exc:
             errors.append(exc)
 
-    run_threads(run, [(name,) for name in picked])
+    names = list(picked)
+    run_together(lambda i: run(names[i]), len(names))
     assert not errors, errors
     union = picked["one"] + picked["two"]
     assert len(union) == len(set(union)), "an event was picked by both sweepers"

@@ -7,12 +7,13 @@ import time
 import psycopg
 import pytest
 
+from ledger.errors import LeaseLost
 from ledger.queries import SQL
 from ledger.states import EventStatus
-from ledger.store import LEASE_NOT_HELD, FailureRecord, LeaseLost, WorkerLedger
+from ledger.store import LEASE_NOT_HELD, FailureRecord, WorkerLedger
 from devkit.factories import event
+from devkit.procs import wait_until
 from workers.processor import Outcome
-from tests.support.workers import wait_for
 
 EFFECT_SQL = "INSERT INTO public.test_effects (event_id) VALUES (%s)"
 
@@ -22,7 +23,7 @@ def record_effect_event(kit) -> str:
 
 
 def wait_lease_expired(kit, event_id: str) -> None:
-    wait_for(lambda: (lambda r: r["lease_expires_at"] is not None and r["lease_expires_at"] < r["db_now"])(
+    wait_until(lambda: (lambda r: r["lease_expires_at"] is not None and r["lease_expires_at"] < r["db_now"])(
         kit.event(event_id)), timeout_s=30, what=f"lease of {event_id} to expire")
 
 

@@ -3,18 +3,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 
 import pytest
 
 from ledger.store import WorkerLedger
 from devkit.factories import OLD_API, SubscriptionHistory, event, incoming
-from tests.support.workers import RecordingWaker, wait_for
+from devkit.procs import run_together, wait_until
+from tests.support.workers import RecordingWaker
 from workers.app import make_celery
 from workers.processor import EventProcessor, Outcome
 from workers.registry import HandlerRegistry
 from workers.retry import RetryPolicy
 from workers.sweep import Sweeper
+
+RACE_ROUNDS = 30  # ids two processors race for, one at a time
 
 
 class UpperBoundRng:
@@ -36,8 +40,8 @@ def deterministic(processor: EventProcessor, *, base_s: float, cap_s: float | No
 
 
 def wait_until_due(kit, event_id: str) -> None:
-    wait_for(lambda: kit.event(event_id)["next_attempt_at"] <= kit.event(event_id)["db_now"],
-             timeout_s=30, what=f"{event_id} to be due")
+    wait_until(lambda: kit.event(event_id)["next_attempt_at"] <= kit.event(event_id)["db_now"],
+               timeout_s=30, what=f"{event_id} to be due")
 
 
 # --- success ---------------------------------------------------------------------------------
@@ -182,7 +186,7 @@ def test_an_event_whose_workers_keep_dying_ends_retries_exhausted_after_max_atte
     evt_id = kit.record(make_event("test.effect"))
     dead = kit.ledger().claim(evt_id, worker="dead-host:1", lease_s=1)  # the worker dies holding the lease
     assert dead is not None
-    wait_for(lambda: kit.event(evt_id)["lease_expires_at"] < kit.event(evt_id)["db_now"], what="lease expiry")
+    wait_until(lambda: kit.event(evt_id)["lease_expires_at"] < kit.event(evt_id)["db_now"], what="lease expiry")
 
     assert kit.processor(settings).process(evt_id) is Outcome.FAILED_PERMANENT
     row = kit.event(evt_id)
@@ -298,3 +302,36 @@ def test_a_statement_timeout_inside_a_handler_is_a_recoverable_db_timeout(kit):
     assert row["next_attempt_at"] > row["db_now"]
     assert kit.attempts(evt_id)[0]["error_class"] == "QueryCanceled"
     assert kit.effects(evt_id) == 0
+
+
+# --- two processors racing for one id ---------------------------------------------------------
+
+def test_two_threads_processing_the_same_id_at_once_apply_it_exactly_once(kit):
+    ids = kit.record_many([event("test.effect", {"id": f"obj_{n}"}, created=int(time.time()))
+                           for n in range(RACE_ROUNDS)])
+    processors = [kit.processor(name=f"racer-{n}") for n in range(2)]  # a pool (own connections) each
+    barrier = threading.Barrier(2)
+    outcomes: dict[str, list[Outcome]] = {evt_id: [] for evt_id in ids}
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def race(processor):
+        try:
+            for evt_id in ids:
+                barrier.wait(timeout=30)
+                outcome = processor.process(evt_id)
+                with lock:
+                    outcomes[evt_id].append(outcome)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+            barrier.abort()
+
+    run_together(lambda i: race(processors[i]), len(processors))
+    assert not errors, errors
+
+    for evt_id in ids:
+        assert sorted(outcomes[evt_id]) == sorted([Outcome.PROCESSED, Outcome.NOT_CLAIMED]), (evt_id, outcomes[evt_id])
+        assert kit.effects(evt_id) == 1, evt_id
+        row = kit.event(evt_id)
+        assert row["status"] == "processed" and row["attempts"] == 1
+    assert kit.effects() == RACE_ROUNDS

@@ -20,12 +20,13 @@ from pathlib import Path
 import psycopg
 from psycopg.rows import dict_row
 
-from ledger.config import Settings
+from devkit.procs import pid_alive, wait_until
+from devkit.stack import Receiver
 from devkit.stripe_sim import Backoff, StripeSimulator
+from ledger.config import Settings
 from tests.support import acceptance_business
-from tests.support.receiver import GunicornReceiver, drop_queue, receiver_env
-from tests.support.workers import CELERY, REPO, WorkerProcess, env_for, pid_alive, run_ledgerctl, wait_for
-from workers.app import effects_queue
+from tests.support.receiver import drop_queue, receiver_env
+from tests.support.workers import WorkerProcess, run_ledgerctl
 
 RELEASES = {1: ("tests.support.acceptance_release1",), 2: ("tests.support.acceptance_release2",)}
 
@@ -41,34 +42,14 @@ PROFILES = {
 DEADLINE_S = 90.0  # for anything a worker has to do: generous, the machine is shared
 
 
-class AcceptanceWorker(WorkerProcess):
-    """``celery -A workers worker`` with the given handler modules (a release of the product)."""
-
-    def __init__(self, settings: Settings, log_dir: Path, *, modules: tuple[str, ...], concurrency: int = 2,
-                 label: str = "acc"):
-        super().__init__(settings, log_dir, concurrency=concurrency, label=label)
-        self.modules = modules
-
-    def start(self) -> "AcceptanceWorker":
-        cmd = [CELERY, "-A", "workers", "worker", "--pool=prefork", "-c", str(self.concurrency),
-               "--loglevel=INFO", "-Q", f"{self.settings.queue_name},{effects_queue(self.settings.queue_name)}",
-               "-n", f"{self.node}@%h",
-               "--without-mingle", "--without-gossip", "--without-heartbeat"]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env_for(self.settings, handler_modules=self.modules),
-                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
-        return self
-
-
 @dataclasses.dataclass
 class Stack:
     name: str
     settings: Settings
     secret: str
     log_dir: Path
-    receiver: GunicornReceiver | None = None
-    worker: AcceptanceWorker | None = None
+    receiver: Receiver | None = None
+    worker: WorkerProcess | None = None
     release: int = 1
 
     @property
@@ -78,7 +59,7 @@ class Stack:
     def start(self) -> "Stack":
         env = receiver_env(self.settings.database_url, self.settings.broker_url, self.secret,
                            LEDGER_QUEUE=self.settings.queue_name)
-        self.receiver = GunicornReceiver(env, workers=2).start()
+        self.receiver = Receiver(env, self.log_dir, workers=2).start()
         self.deploy(self.release)
         return self
 
@@ -86,8 +67,8 @@ class Stack:
         """Replace the workers by ones running ``release`` of the handlers (a deploy: kill, start)."""
         if self.worker is not None:
             self.worker.kill()
-        self.worker = AcceptanceWorker(self.settings, self.log_dir, modules=RELEASES[release],
-                                       label=f"acc-r{release}")
+        self.worker = WorkerProcess(self.settings, self.log_dir, concurrency=2, label=f"acc-r{release}",
+                                    handler_modules=RELEASES[release])
         self.worker.start().wait_ready(timeout_s=DEADLINE_S)
         self.release = release
 
@@ -98,9 +79,9 @@ class Stack:
         release 1 says so and gets it from ``ensure_release``).
         """
         drop_queue(self.settings.broker_url, self.settings.queue_name)
-        if self.receiver.proc.poll() is not None:
-            self.receiver.close()
-            self.receiver = GunicornReceiver(self.receiver.env, workers=2).start()
+        if not self.receiver.alive:
+            self.receiver.kill()
+            self.receiver = Receiver(self.receiver.env, self.log_dir, workers=2).start()
         if not self.worker.alive:
             self.deploy(self.release)
 
@@ -119,16 +100,16 @@ class Stack:
     def logs(self) -> str:
         parts = []
         if self.receiver is not None:
-            parts.append("--- receiver ---\n" + self.receiver.log())
+            parts.append("--- receiver ---\n" + self.receiver.log(4000))
         if self.worker is not None:
-            parts.append("--- worker ---\n" + self.worker.log()[-4000:])
+            parts.append("--- worker ---\n" + self.worker.log(4000))
         return "\n".join(parts)
 
     def close(self) -> None:
         if self.worker is not None:
             self.worker.kill()
         if self.receiver is not None:
-            self.receiver.close()
+            self.receiver.kill()
         drop_queue(self.settings.broker_url, self.settings.queue_name)
 
 
@@ -199,7 +180,7 @@ class Ledger:
             row = self.event(event_id)
             return row if row is not None and row["status"] in statuses else None
         try:
-            return wait_for(check, timeout_s=timeout_s, interval_s=0.1,
+            return wait_until(check, timeout_s=timeout_s, interval_s=0.1,
                             what=f"{event_id} to reach {'/'.join(statuses)}")
         except AssertionError as exc:
             row = self.event(event_id) or {}
@@ -225,7 +206,7 @@ def kill_pid(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    wait_for(lambda: not pid_alive(pid), timeout_s=30, what=f"process {pid} to be gone")
+    wait_until(lambda: not pid_alive(pid), timeout_s=30, what=f"process {pid} to be gone")
 
 
 def sweep_until_redriven(stack: Stack, event_id: str, *, timeout_s: float = DEADLINE_S) -> dict:
@@ -235,4 +216,4 @@ def sweep_until_redriven(stack: Stack, event_id: str, *, timeout_s: float = DEAD
         assert done.returncode == 0, done.stderr
         result = json.loads(done.stdout)
         return result if result["redriven"] >= 1 else None
-    return wait_for(once, timeout_s=timeout_s, interval_s=0.2, what=f"a sweep pass to re-drive {event_id}")
+    return wait_until(once, timeout_s=timeout_s, interval_s=0.2, what=f"a sweep pass to re-drive {event_id}")

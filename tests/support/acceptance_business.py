@@ -2,8 +2,8 @@
 
 Plain functions, no registration: ``acceptance_release1`` and ``acceptance_release2``
 register them the way a product's handler module would (``LEDGER_HANDLER_MODULES``),
-two releases of one product. Never import those two in the test process: the handler
-registry is process-wide, and in-process tests expect their types unsupported.
+two releases of one product. Importing either elsewhere registers nothing: a registry
+holds only the handler modules its ``load_handlers`` call loads.
 
 * ``grant_credits`` (``invoice.paid``): one row in ``public.acceptance_credits`` per
   paid invoice. The table has NO unique constraint on purpose: an invoice whose event

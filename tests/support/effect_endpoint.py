@@ -35,7 +35,6 @@ import hashlib
 import hmac
 import json
 import random
-import socket
 import threading
 import time
 from collections import Counter
@@ -43,15 +42,10 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from devkit.procs import free_port
+
 # OUTBOX_WEBHOOK_SECRET of the outbox tests (Settings wants 16+ characters).
 SECRET = "outbox_test_secret_0123456789abcdef"
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

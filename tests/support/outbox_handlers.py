@@ -8,6 +8,7 @@ recorded effects with it) must roll back.
 """
 from __future__ import annotations
 
+from tests.support.workers import RecordingWaker
 from workers.failures import TransientError
 from workers.registry import ApplyContext, handler
 
@@ -45,16 +46,12 @@ def lifecycle_expected_keys(history, upto: int | None = None) -> set[str]:
     return keys
 
 
-class EffectWaker:
+class EffectWaker(RecordingWaker):
     """A Waker stand-in for in-process tests: remembers event and effect wake-ups (no broker)."""
 
     def __init__(self):
-        self.woken: list[tuple[str, float | None]] = []
+        super().__init__()
         self.effects: list[tuple[int, float | None]] = []
-
-    def wake(self, event_id: str, *, countdown_s: float | None = None) -> bool:
-        self.woken.append((event_id, countdown_s))
-        return True
 
     def wake_effect(self, outbox_id: int, *, countdown_s: float | None = None) -> bool:
         self.effects.append((outbox_id, countdown_s))
@@ -81,3 +78,41 @@ def outbox_processor(kit, *, effects=("entitlements.changed", "invoice.payment_f
 
 def outbox_rows(kit, where: str = "TRUE", params=None) -> list[dict]:
     return kit.query(f"SELECT *, now() AS db_now FROM ledger.outbox WHERE {where} ORDER BY id", params)
+
+
+def customer_features(kit, customer_id: str) -> list[str]:
+    """The features billing.entitlements grants a customer now."""
+    return sorted(r["feature"] for r in kit.query(
+        "SELECT DISTINCT feature FROM billing.entitlements WHERE customer_id = %s", (customer_id,)))
+
+
+def outbox_with_every_state(kit, endpoint) -> dict[str, list[int]]:
+    """Two lifecycles' effects delivered through the real sender: one sent, one failed_recoverable,
+    one failed_permanent (422), the rest pending. Returns ids by state."""
+    from devkit.factories import SubscriptionHistory
+    from ledger.outbox import OutboxLedger
+    from tests.support.effect_endpoint import SECRET
+    from workers.dispatcher import OutboxDispatcher
+    from workers.effects import WebhookSender
+    from workers.retry import RetryPolicy
+
+    processor = outbox_processor(kit)
+    for history in (SubscriptionHistory().lifecycle(), SubscriptionHistory().lifecycle()):
+        for evt_id in kit.record_many(history.events):
+            assert processor.process(evt_id) == "processed"
+    rows = outbox_rows(kit)
+    assert len(rows) == 10
+    sender = WebhookSender(endpoint.url, SECRET, timeout_s=5)
+    dispatcher = OutboxDispatcher(ledger=OutboxLedger(kit.pool()),
+                                  senders={"entitlements.changed": sender, "invoice.payment_failed": sender},
+                                  policy=RetryPolicy(base_s=60, cap_s=60, max_attempts=5), waker=None, lease_s=30)
+    entitlements = [r["id"] for r in rows if r["effect"] == "entitlements.changed"]
+    payment_failed = [r["id"] for r in rows if r["effect"] == "invoice.payment_failed"]
+    assert dispatcher.dispatch(entitlements[0]) == "sent"
+    endpoint.answer(503)
+    assert dispatcher.dispatch(entitlements[1]) == "failed_recoverable"
+    endpoint.reject(422)
+    assert dispatcher.dispatch(payment_failed[0]) == "failed_permanent"
+    endpoint.heal()
+    return {"sent": entitlements[:1], "failed_recoverable": entitlements[1:2], "failed_permanent": payment_failed[:1],
+            "pending": entitlements[2:] + payment_failed[1:]}

@@ -1,37 +1,19 @@
-"""Helpers for the receiver tests: signed bodies, the ledger as data, the wake-up queue,
-and the real receiver (gunicorn) as a subprocess."""
+"""Helpers for the receiver tests: Stripe-shaped bodies, the ledger as data, the wake-up queue, and the
+environment of a real receiver (devkit.stack.Receiver)."""
 from __future__ import annotations
 
 import base64
-import http.client
 import json
-import os
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
-import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 import psycopg
 import redis
-import stripe
 
-from devkit.servers import free_port
+from devkit.stack import stack_env
 
-VENV_BIN = Path(sys.executable).parent
 # A marker put inside every generated payload: no error answer may contain it.
 PAYLOAD_MARKER = "payload-marker-6b1f0c"
-
-
-def sign(body: str | bytes, secret: str, timestamp: int | None = None) -> str:
-    """A Stripe-Signature header built by the stripe library's own signing rules."""
-    text = body.decode("utf-8") if isinstance(body, bytes) else body
-    return stripe.WebhookSignature.generate_signature_header(
-        text, secret, timestamp=int(time.time()) if timestamp is None else timestamp)
 
 
 def new_event_id() -> str:
@@ -140,110 +122,8 @@ class WakeupQueue:
         return out
 
 
-def deliver_at_once(send, copies: int) -> list:
-    """Call send(i) for i in range(copies) from that many threads released together; their results.
-
-    An exception in a thread is re-raised here rather than lost.
-    """
-    start = threading.Barrier(copies)
-    results: list = [None] * copies
-
-    def run(i: int) -> None:
-        start.wait()
-        try:
-            results[i] = send(i)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(copies)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return results
-
-
 # -- the real receiver -------------------------------------------------------------
 
-@dataclass
-class HttpAnswer:
-    status_code: int
-    body: bytes
-
-    def json(self) -> dict:
-        return json.loads(self.body)
-
-
-def http_request(port: int, method: str, path: str, body: bytes | None = None,
-                 headers: dict | None = None, timeout: float = 30) -> HttpAnswer:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request(method, path, body=body, headers=headers or {})
-        response = conn.getresponse()
-        return HttpAnswer(response.status, response.read())
-    finally:
-        conn.close()
-
-
-class GunicornReceiver:
-    """`gunicorn 'ingest.app:create_app()'` in a process group of its own."""
-
-    def __init__(self, env: dict[str, str], *, workers: int = 2, extra_args: tuple[str, ...] = ()):
-        self.port = free_port()
-        self.env = env
-        self.workers = workers
-        self.extra_args = extra_args
-        self.proc: subprocess.Popen | None = None
-        self._log = tempfile.NamedTemporaryFile(prefix="receiver-", suffix=".log", delete=False)
-
-    @property
-    def command(self) -> list[str]:
-        # No control socket: the default one is a fixed path in $HOME shared by every gunicorn.
-        return [str(VENV_BIN / "gunicorn"), "-b", f"127.0.0.1:{self.port}", "-w", str(self.workers),
-                "--no-control-socket", *self.extra_args, "ingest.app:create_app()"]
-
-    def start(self, ready_timeout_s: float = 30) -> "GunicornReceiver":
-        self.proc = subprocess.Popen(self.command, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + ready_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"receiver exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if http_request(self.port, "GET", "/healthz", timeout=2).status_code == 200:
-                    return self
-            except OSError:
-                pass
-            time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(f"receiver did not answer /healthz:\n{self.log()}")
-
-    def post(self, body: bytes, headers: dict) -> HttpAnswer:
-        return http_request(self.port, "POST", "/webhooks/stripe", body,
-                            {"Content-Type": "application/json", **headers})
-
-    def kill(self) -> None:
-        """SIGKILL the whole process group: master and every worker, no cleanup."""
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
-
-    def log(self) -> str:
-        return Path(self._log.name).read_text(errors="replace")[-4000:]
-
-    def close(self) -> None:
-        self.kill()
-        self._log.close()
-        Path(self._log.name).unlink(missing_ok=True)
-
-
 def receiver_env(database_url: str, broker_url: str, secret: str, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-    env.update(DATABASE_URL=database_url, CELERY_BROKER_URL=broker_url, STRIPE_WEBHOOK_SECRET=secret, **extra)
-    return env
+    """The environment of a receiver process on this database and broker, verifying with ``secret``."""
+    return stack_env(database_url, broker_url, {"STRIPE_WEBHOOK_SECRET": secret, **extra})

@@ -1,19 +1,15 @@
 """Settings are validated at start-up: a bad value stops the process with one line
-that names the variable and never echoes a secret."""
+that names the variable and never echoes a secret. (The real receiver refusing to start without a
+secret: tests/e2e/test_receiver_process.py.)"""
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import subprocess
 
 import pytest
 
 import ledger.logs
 from ledger.config import Settings
 from ledger.errors import ConfigError
-from devkit.servers import free_port
-from tests.support.receiver import VENV_BIN
 
 GOOD = {"DATABASE_URL": "postgresql://ledger:pg-password-123@127.0.0.1:5432/ledger",
         "CELERY_BROKER_URL": "redis://:broker-password-456@127.0.0.1:6379/0",
@@ -140,27 +136,3 @@ def test_create_app_with_explicit_settings_but_no_secret_refuses_to_build_a_rece
 
     with pytest.raises(ConfigError, match="STRIPE_WEBHOOK_SECRET"):
         create_app(Settings(database_url=GOOD["DATABASE_URL"], broker_url=GOOD["CELERY_BROKER_URL"]))
-
-
-def test_gunicorn_with_a_missing_secret_exits_nonzero_and_prints_the_configuration_error():
-    env = {k: v for k, v in os.environ.items() if k != "STRIPE_WEBHOOK_SECRET"}
-    env.update(DATABASE_URL=GOOD["DATABASE_URL"], CELERY_BROKER_URL=GOOD["CELERY_BROKER_URL"])
-
-    proc = subprocess.Popen(
-        [str(VENV_BIN / "gunicorn"), "-b", f"127.0.0.1:{free_port()}", "-w", "2", "--no-control-socket",
-         "ingest.app:create_app()"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
-        start_new_session=True)
-    try:
-        # A receiver that cannot start must stop, not respawn its workers forever.
-        output, _ = proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail("gunicorn kept running without a webhook secret:\n" + output[-2000:])
-
-    assert proc.returncode != 0
-    assert "configuration error: STRIPE_WEBHOOK_SECRET is not set: the receiver cannot verify signatures" in output
-    # Not as a traceback of ours. (gunicorn itself may print one when both workers fail to boot at
-    # once: its halt reaps the second worker and raises HaltServer again. That is gunicorn's.)
-    assert "ConfigError" not in output and "ingest/app.py" not in output and "ledger/config.py" not in output

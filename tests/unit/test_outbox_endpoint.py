@@ -9,7 +9,8 @@ import urllib.request
 
 import pytest
 
-from tests.support.effect_endpoint import SECRET, free_port
+from devkit.procs import free_port
+from tests.support.effect_endpoint import SECRET
 from workers.effects import DeliveryFailed, EffectDelivery, WebhookSender, load_senders, sign
 from ledger.config import Settings
 

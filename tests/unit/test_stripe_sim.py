@@ -14,7 +14,7 @@ from hypothesis import given, settings as hypothesis_settings, strategies as st
 from devkit import stripe_sim
 from devkit.stripe_sim import (CONCURRENT, DUPLICATE, FIRST, MANUAL, RETRY, Backoff, SimEvent, StripeSimulator,
                             delivery_order, fixture_events, lifecycle_events, plan)
-from tests.conftest import FIXTURES_DIR
+from tests.support.constants import FIXTURES_DIR
 
 SECRET = "whsec_sim_unit_tests_0123"
 

@@ -1,0 +1,81 @@
+"""The house's rules, read from the tree: what is installed, who imports whom.
+
+* ``pip install .`` installs the product only (ingest, workers, ledger, ``ledgerctl``):
+  no benchmark, chaos, sabotage, simulator or test module.
+* The product never imports the development toolkit or the tests.
+* The product's modules import each other without a cycle (imports inside
+  functions count: a cycle hidden in a method is still a cycle).
+"""
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+import pytest
+from setuptools import find_packages
+
+ROOT = Path(__file__).resolve().parents[2]
+PRODUCT = ("ingest", "workers", "ledger", "ops")
+
+
+def installed_packages() -> set[str]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    return set(find_packages(where=str(ROOT), include=config["include"], exclude=config.get("exclude", ())))
+
+
+def installed_modules() -> dict[str, Path]:
+    modules = {}
+    for package in installed_packages():
+        folder = ROOT / package.replace(".", "/")
+        for path in folder.glob("*.py"):
+            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+            modules[name] = path
+    return modules
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module an import statement in the file names, wherever the statement is."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_the_installed_packages_are_the_product_alone():
+    assert installed_packages() == {"ingest", "workers", "workers.billing", "ledger", "ledger.migrations",
+                                    "ledger.sql", "ops"}
+
+
+def test_the_only_installed_ops_module_is_the_cli():
+    assert sorted(p.name for p in (ROOT / "ops").glob("*.py")) == ["__init__.py", "cli.py"]
+
+
+@pytest.mark.parametrize("module", sorted(installed_modules()))
+def test_a_product_module_never_imports_the_toolkit_or_the_tests(module):
+    named = imports_of(installed_modules()[module])
+    assert not {m for m in named if m.split(".")[0] in ("devkit", "tests")}
+
+
+def test_the_product_imports_without_a_cycle():
+    modules = installed_modules()
+    graph = {name: {m for m in imports_of(path) if m in modules and m != name} for name, path in modules.items()}
+    # A package's __init__ is imported with any of its modules, so a module importing its own package is no edge.
+    graph = {name: {m for m in deps if not name.startswith(m + ".")} for name, deps in graph.items()}
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(name):] + [name]))
+        if name in done:
+            return
+        for dep in sorted(graph[name]):
+            visit(dep, [*path, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
