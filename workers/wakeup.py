@@ -2,21 +2,62 @@
 
 A failed send is never an error for the caller: the event is already durable in
 Postgres, and the recovery sweep re-drives any wake-up that did not arrive.
+
+A wake-up costs one Redis command (LPUSH), and no connection, queue declaration
+or redis-py client of its own: the Waker keeps the producers it made, each on a
+connection of its own, and publishes through them without declaring the queues
+again (they are declared once, when a producer is made). The message is Celery's
+own ``send_task`` message, routed by the app's task_routes, unchanged.
+
+Not Celery's pooled producers: that pool is kombu's, process-wide, shared by every
+app on the same broker URL and limited to broker_pool_limit; producers kept from it
+for life hold its slots for good, and Wakers dropped without ``close()`` (ledgerctl,
+tests, benchmarks make many) would exhaust it.
 """
 from __future__ import annotations
 
 import logging
+import os
+import threading
+from dataclasses import dataclass
 
 from celery import Celery
+from kombu import Connection, Producer
 
 from workers.app import DISPATCH_EFFECT_TASK, PROCESS_EVENT_TASK
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _Publisher:
+    connection: Connection
+    producer: Producer
+
+    def close(self) -> None:
+        try:
+            self.connection.close()
+        except Exception:  # a broken connection may fail to close; it is dropped all the same
+            pass
+
+
 class Waker:
+    """Publishes wake-ups through producers it keeps, one per concurrent caller.
+
+    A publish takes an idle producer (or makes one, at the first wake-up) and puts it back after; so a
+    process that publishes from one thread at a time (a sync gunicorn worker, a Celery pool process,
+    the sweep) has one, and gthread's threads never wait on each other, not even while a broker that is
+    down makes each of them wait BROKER_TIMEOUT_S. A producer whose publish failed (the broker went
+    away, a connection broke) is closed, not put back: the next wake-up makes a new one, so a broker
+    that comes back is used again without a restart. A forked child (gunicorn forks its workers) never
+    uses its parent's: it forgets them, without closing what is the parent's.
+    """
+
     def __init__(self, celery: Celery):
         self._celery = celery
+        self._lock = threading.Lock()  # for the idle list only, never held while publishing
+        self._idle: list[_Publisher] = []
+        self._pid = os.getpid()
 
     def wake(self, event_id: str, *, countdown_s: float | None = None) -> bool:
         """Publish one wake-up for an event; True if the broker took it."""
@@ -27,13 +68,49 @@ class Waker:
         return self._send(DISPATCH_EFFECT_TASK, outbox_id, countdown_s, {"outbox_id": outbox_id})
 
     def _send(self, task: str, arg, countdown_s: float | None, fields: dict) -> bool:
+        publisher = None
         try:
-            self._celery.send_task(task, args=[arg], countdown=countdown_s, retry=False)
-            return True
+            publisher = self._take()
+            self._celery.send_task(task, args=[arg], countdown=countdown_s, retry=False,
+                                   producer=publisher.producer, declare=[])
         except Exception as exc:  # any broker or network failure: the sweep recovers it
+            if publisher is not None:
+                publisher.close()
             log.warning("wake-up not sent; the sweep will re-drive it",
                         extra={**fields, "error_class": type(exc).__name__})
             return False
+        self._put_back(publisher)
+        return True
+
+    def _take(self) -> _Publisher:
+        with self._lock:
+            if self._pid != os.getpid():
+                self._idle, self._pid = [], os.getpid()  # the parent's: never used, nor closed, here
+            if self._idle:
+                return self._idle.pop()
+        return self._make()  # outside the lock: connecting may take BROKER_TIMEOUT_S
+
+    def _make(self) -> _Publisher:
+        connection = self._celery.connection_for_write()
+        try:
+            producer = self._celery.amqp.Producer(connection, auto_declare=False)
+            for queue in self._celery.amqp.queues.values():
+                producer.maybe_declare(queue)
+        except BaseException:
+            connection.close()
+            raise
+        return _Publisher(connection, producer)
+
+    def _put_back(self, publisher: _Publisher) -> None:
+        with self._lock:
+            self._idle.append(publisher)
+
+    def close(self) -> None:
+        """Close every idle producer's connection (a process that stops publishing); a later wake-up makes one."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for publisher in idle:
+            publisher.close()
 
     def ping(self) -> bool:
         """True if the broker accepts a connection now."""
