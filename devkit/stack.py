@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from devkit.procs import REPO, Process, free_port, venv_tool, wait_until
+from devkit.procs import REPO, VENV_BIN, Process, free_port, venv_tool, wait_until
 
 # Prefixes of the variables the pipeline reads (ledger.config.Settings); a child gets only the caller's.
 OWNED_VARIABLES = ("DATABASE_URL", "CELERY_", "LEDGER_", "DB_", "BROKER_", "STRIPE_", "OUTBOX_", "LOG_LEVEL",
@@ -125,8 +125,61 @@ class Worker(Process):
         return {"worker main": [self.pid] if self.pid else [], "worker pool process": self.children()}
 
 
+class ReadmeWorker(Worker):
+    """``celery -A workers worker --concurrency N`` as README runs it: every queue, Celery's own
+    log level (WARNING, so no line per task), mingle, gossip and heartbeats on. Only a node
+    name is added (two workers on one host need distinct ones).
+
+    It logs nothing once it consumes (``ready()`` cannot see it): whoever starts it waits for
+    its pool processes, then for a task it ran.
+    """
+
+    def __init__(self, env: Mapping[str, str], log_dir: Path, *, concurrency: int, node: str):
+        Process.__init__(self, node, [venv_tool("celery"), "-A", "workers", "worker", "--concurrency",
+                                      str(concurrency), "-n", f"{node}@%h"], env, Path(log_dir) / f"{node}.log")
+        self.node = node
+
+
 class Sweep(Process):
     """``ledgerctl sweep --loop``: the recovery sweep, as an operator runs it."""
 
     def __init__(self, env: Mapping[str, str], log_dir: Path, *, name: str = "sweep"):
         super().__init__(name, [venv_tool("ledgerctl"), "sweep", "--loop"], env, Path(log_dir) / f"{name}.log")
+
+
+# The product's console scripts the classes above start (through venv_tool).
+PRODUCT_TOOLS = ("gunicorn", "celery", "ledgerctl")
+
+
+@dataclass(frozen=True)
+class Checkout:
+    """A copy of the product to run: its source tree and the virtualenv whose console scripts run it.
+
+    The default is this checkout, run by the running interpreter's environment (what
+    every class above starts). Another one (an older revision in a git worktree, with a
+    virtualenv of its own) runs the same way: ``env`` puts its tree on PYTHONPATH, and
+    ``adopt`` points a Receiver, Worker or Sweep built above at its console scripts and
+    its tree as the working directory, so that nothing of this checkout's code runs in it.
+    """
+    root: Path = REPO
+    bin_dir: Path = VENV_BIN
+
+    def tool(self, name: str) -> str:
+        """``name`` (gunicorn, celery, ledgerctl) from this checkout's virtualenv."""
+        if self.bin_dir == VENV_BIN:
+            return venv_tool(name)
+        path = self.bin_dir / name
+        if not path.exists():
+            raise RuntimeError(f"{name} not found in {self.bin_dir}")
+        return str(path)
+
+    def env(self, database_url: str, broker_url: str, variables: Mapping[str, str] | None = None) -> dict[str, str]:
+        """``stack_env`` with this checkout's tree as PYTHONPATH."""
+        return stack_env(database_url, broker_url, {"PYTHONPATH": str(self.root), **(variables or {})})
+
+    def adopt(self, process: Process) -> Process:
+        """``process`` (not started) running this checkout's console scripts, in its tree."""
+        process.cmd = [self.tool(Path(arg).name) if os.path.isabs(arg) and Path(arg).name in PRODUCT_TOOLS else arg
+                       for arg in process.cmd]
+        process.cwd = self.root
+        return process

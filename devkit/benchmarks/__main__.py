@@ -15,7 +15,7 @@ from pathlib import Path
 from devkit.procs import REPO
 
 from . import report
-from .scenarios import ALL, SCENARIOS, Bench, Options, log
+from .scenarios import ALL, INTERLEAVED, SCENARIOS, Bench, Options, log
 
 DOCS = REPO / "docs"
 
@@ -115,6 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--receiver-workers", type=int, help="gunicorn workers (default 4, as in README)")
     parser.add_argument("--receiver-threads", type=int, help="gunicorn gthread threads per worker (default 1: sync workers)")
     parser.add_argument("--burst-worker-nice", type=int, help="nice level of the burst's workers (default 0)")
+    parser.add_argument("--steady-levels", type=lambda s: tuple(int(x) for x in s.split(",")),
+                        help="steady concurrency levels (default 1,8,32)")
+    parser.add_argument("--steady-events", type=int,
+                        help="steady: events per level, plus 5%% redeliveries (default 6000; --quick 600)")
+    parser.add_argument("--compare", metavar="REV",
+                        help="also run git revision REV's product (receiver, workers, sweep, migrations) under this "
+                             "harness, in the same run: steady takes turns per level, any other scenario runs once "
+                             "per revision; tables show both and the ratio current/REV")
     args = parser.parse_args(argv)
     if args.render:
         from .docs import write
@@ -136,16 +144,20 @@ def main(argv: list[str] | None = None) -> int:
                         drain_events=args.drain_events, history_events=args.history_events, ingest_s=args.ingest_s,
                         drain_s=args.drain_s, full_drain=args.full_drain,
                         receiver_workers=args.receiver_workers, receiver_threads=args.receiver_threads,
-                        burst_worker_nice=args.burst_worker_nice)
+                        burst_worker_nice=args.burst_worker_nice, steady_levels=args.steady_levels,
+                        steady_events=args.steady_events, compare=args.compare)
     names = list(ALL) if args.scenario == "all" else [n.strip() for n in args.scenario.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown or not names:
         parser.error(f"unknown scenario(s) {', '.join(unknown) or '(none)'}: choose all or "
                      + ", ".join(SCENARIOS))
-    write_docs = args.docs if args.docs is not None else (args.scenario == "all" and not args.quick)
+    # A full 'all' run rewrites the results section; a full steady run with --compare the opening one.
+    write_docs = args.docs if args.docs is not None else (
+        not args.quick and (args.scenario == "all" or ("steady" in names and bool(args.compare))))
 
     load_before = wait_for_quiet(args.wait_load, args.wait_max) if args.wait_load else _loadavg()
     meta = {"command": "ops/bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "scenarios": names, "all": args.scenario == "all",
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(),
             "load_before": load_before, "options": {k: (str(v) if isinstance(v, Path) else v)
                                                      for k, v in vars(opts).items()}}
@@ -162,11 +174,21 @@ def main(argv: list[str] | None = None) -> int:
         bench.start()
         for name in names:
             t0 = time.monotonic()
+            baseline = bench.baseline
+            compared = None
+            if baseline is not None and name not in INTERLEAVED:
+                with bench.using(baseline):
+                    compared = SCENARIOS[name](bench)
+                    bench.results[name] = compared
             result = SCENARIOS[name](bench)
             result["wall_s"] = time.monotonic() - t0
             bench.results[name] = result
             text, line = report.summary(name, result)
             summaries[name] = line
+            if compared is not None:
+                old_line = report.summary(name, compared)[1]
+                text += (f"\n\n{baseline.label} (the compared revision):\n{old_line}\n\nbefore/after:\n"
+                         + report.compare_table(line, old_line, baseline.label))
             print(f"\n== {name} ({result['wall_s']:.0f}s) ==\n{text}\n{line}\n", flush=True)
     except KeyboardInterrupt:
         log("interrupted: stopping everything this run started")
@@ -177,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         meta["wall_s"] = time.monotonic() - started
         meta["load_during"] = sampler.stop()
         meta["load_after"] = _loadavg()
+        baseline = bench.baseline
+        if baseline is not None:
+            meta["compared"] = {"label": baseline.label, "commit": baseline.revision.commit}
+            bench.results["compared"] = {k: v for k, v in baseline.results.items() if not k.startswith("_")}
         bench.results["meta"] = meta
         bench.results["summaries"] = summaries
         bench.results["peak_rss_mb"] = bench.peak_rss

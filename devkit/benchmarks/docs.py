@@ -1,5 +1,7 @@
-"""docs/benchmarks.md: the block between the results markers is rewritten by every full run;
-the rest of the page (method, profiles, fixes) is written by hand."""
+"""docs/benchmarks.md: two blocks are written by runs, the rest of the page (method, profiles,
+fixes) by hand. The block between the steady markers opens the page and is rewritten by a
+full steady run with ``--compare`` (the whole stack, this revision against an older one);
+the block between the results markers by every full ``ops/bench all``."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,24 +13,80 @@ from . import report
 
 BEGIN = "<!-- bench:results:begin (written by ops/bench all; do not edit by hand) -->"
 END = "<!-- bench:results:end -->"
+STEADY_BEGIN = "<!-- bench:steady:begin (written by ops/bench steady --compare REV; do not edit by hand) -->"
+STEADY_END = "<!-- bench:steady:end -->"
+
+
+def _replace(text: str, begin: str, end: str, block: str, *, at_top: bool = False) -> str:
+    """``text`` with what lies between ``begin`` and ``end`` replaced by ``block``; the markers are
+    added (after the page's title when ``at_top``, else at the end) when missing."""
+    if begin not in text or end not in text:
+        if at_top:
+            title, _, body = text.partition("\n")
+            text = f"{title}\n\n{begin}\n{end}\n{body}" if title.startswith("# ") else f"{begin}\n{end}\n\n{text}"
+        else:
+            text += f"\n{begin}\n{end}\n"
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return head + begin + "\n" + block + "\n" + end + tail
 
 
 def write(results: dict[str, Any], docs: Path) -> list[Path]:
+    """The sections this run measured: the opening steady block if it compared revisions, the
+    results block (and the plots) if it ran every scenario."""
     docs.mkdir(exist_ok=True)
     written = []
-    if report.plot(results, docs / "benchmarks.png"):
+    full = results["meta"].get("all", True)  # runs recorded before steady existed were all full runs
+    if full and report.plot(results, docs / "benchmarks.png"):
         written.append(docs / "benchmarks.png")
-    if results.get("burst") and report.plot_burst(results["burst"], docs / "benchmarks-burst.png"):
+    if full and results.get("burst") and report.plot_burst(results["burst"], docs / "benchmarks-burst.png"):
         written.append(docs / "benchmarks-burst.png")
     page = docs / "benchmarks.md"
-    text = page.read_text() if page.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
-    if BEGIN not in text or END not in text:
-        text += f"\n{BEGIN}\n{END}\n"
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    page.write_text(head + BEGIN + "\n" + results_block(results) + "\n" + END + tail)
+    text = page.read_text() if page.exists() else "# Benchmarks\n"
+    if results.get("steady") and report.steady_sides(results["steady"])[1]:
+        text = _replace(text, STEADY_BEGIN, STEADY_END, steady_block(results), at_top=True)
+    if full:
+        text = _replace(text, BEGIN, END, results_block(results))
+    page.write_text(text)
     written.append(page)
     return written
+
+
+def _run_line(meta: dict[str, Any]) -> list[str]:
+    """The run's command, date, duration, machine and load, and the code it measured."""
+    m = meta["machine"]
+    ld = meta["load_during"]
+    lb = meta["load_before"]
+    return [f"Latest run: `{meta['command']}`, {meta['started']}, {meta['wall_s'] / 60:.1f} minutes.",
+            "",
+            f"Machine: {m.get('cpus')} CPUs ({m.get('cpu_model', '?')}), {m.get('memory_gib', '?')} GiB; "
+            f"{m.get('postgres')}; {m.get('redis', '?').split(' sha=')[0]}; {m.get('wrk', '?').split(' Copyright')[0]}; "
+            f"Python {m.get('python')}; Linux {m.get('kernel')}. Shared with other engineers' test runs: "
+            f"1-minute load average {lb[0]:.2f} before the run, {ld['min']:.2f}-{ld['max']:.2f} (mean "
+            f"{ld['mean']:.2f}) during it, our own processes included.",
+            "",
+            f"Code: commit `{m.get('git', '?')}`"
+            + (f" with uncommitted changes in {', '.join('`' + f + '`' for f in m['git_dirty'])}" if m.get("git_dirty") else "")
+            + ".", ""]
+
+
+def _steady_method(st: dict[str, Any]) -> str:
+    p = st["payload"]
+    return (f"The stack as README runs it: the receiver (gunicorn, "
+            f"{report.receiver_kind(st['receiver_workers'], st.get('receiver_threads', 1))}), {st['workers']} "
+            f"`celery -A workers worker --concurrency {st['worker_concurrency']}` ({st['workers']} parents, "
+            f"{st['workers'] * st['worker_concurrency']} pool children; every queue, Celery's own log level, mingle, "
+            f"gossip and heartbeats as by default; `LOG_LEVEL=INFO`) and `ledgerctl sweep --loop`, on the private "
+            f"durable Postgres (fsync and synchronous_commit on) and Redis. Per level: a fresh stack, warmed up "
+            f"(200 events), on an emptied ledger; then {st['events_per_level']:,} basil-era ({st['api_version']}) "
+            f"lifecycle events, {p['min_kb']:.1f}-{p['max_kb']:.1f} KB (median {p['median_kb']:.1f} KB, mean "
+            f"{p.get('mean_kb', p['median_kb']):.1f} KB; customers are the small ones), plus "
+            f"{100 * st['redelivery_share']:.0f}% redeliveries of them, sent by {st['loadgen']} at c connections. "
+            f"Ack figures are wrk's; end-to-end events/s is the events over the time from the first send to the "
+            f"last `processed_at` (the ledger polled until every event is processed); CPU is each process type's "
+            f"(/proc; Postgres: every backend, exited ones included) over the same time, in ms per processed "
+            f"event. The client (wrk) is not in the total. \"backlog at last ack\": events not yet processed "
+            f"when wrk had its last answer.")
 
 
 def _scale_target(sc: dict[str, Any]) -> str:
@@ -45,22 +103,43 @@ def _f(value: float, spec: str = ".1f") -> str:
     return format(value, spec)
 
 
+def steady_block(r: dict[str, Any]) -> str:
+    """The page's opening: the whole stack at each concurrency, this revision, then before/after."""
+    st = r["steady"]
+    current, baseline = report.steady_sides(st)
+    old = baseline["label"]
+    out = ["## The whole stack, before and after (`steady`)", "", *_run_line(r["meta"]),
+           f"Compared revision: `{baseline['commit']}` ({old}): its receiver, workers, sweep and migrations, "
+           f"installed from a git worktree into a virtualenv of its own, run under this checkout's harness in the "
+           f"same run, taking turns with the current revision per level ({old} c=1, current c=1, {old} c=8, ...).",
+           "", _steady_method(st), "",
+           "### steady, current revision", "",
+           "CPU columns: ms per processed event.", "",
+           report.steady_table(st, markdown=True), "",
+           f"### before/after: throughput and latency (ratio = current / {old})", "",
+           report.steady_compare_table(st, report.STEADY_FIGURES, markdown=True), "",
+           f"### before/after: CPU ms per processed event (ratio = current / {old})", "",
+           report.steady_compare_table(st, report.STEADY_CPU_FIGURES, markdown=True), "",
+           f"### before/after: traffic per processed event (ratio = current / {old})", "",
+           report.steady_compare_table(st, report.STEADY_TRAFFIC_FIGURES, markdown=True), "",
+           *_top_statements(current["runs"][-1]),
+           "Targets (from the issue):", "",
+           *(f"* {t}: {what} — **{'met' if ok else 'not met'}**" for t, what, ok in report.steady_targets(st).values()),
+           "", "```", r.get("summaries", {}).get("steady", ""), "```"]
+    return "\n".join(out)
+
+
+def _top_statements(run: dict[str, Any]) -> list[str]:
+    rows = report.steady_top_statements(run)
+    if not rows:
+        return []
+    return [f"Where Postgres' execution time goes, current revision at c={run['concurrency']} (pg_stat_statements, "
+            f"per processed event; Postgres' CPU also covers parsing, commits, connections and autovacuum):", "",
+            report.md_table(rows, [(k, k, "") for k in rows[0]]), ""]
+
+
 def results_block(r: dict[str, Any]) -> str:
-    meta = r["meta"]
-    m = meta["machine"]
-    ld = meta["load_during"]
-    lb = meta["load_before"]
-    out = [f"Latest run: `{meta['command']}`, {meta['started']}, {meta['wall_s'] / 60:.1f} minutes.",
-           "",
-           f"Machine: {m.get('cpus')} CPUs ({m.get('cpu_model', '?')}), {m.get('memory_gib', '?')} GiB; "
-           f"{m.get('postgres')}; {m.get('redis', '?').split(' sha=')[0]}; {m.get('wrk', '?').split(' Copyright')[0]}; "
-           f"Python {m.get('python')}; Linux {m.get('kernel')}. Shared with other engineers' test runs: "
-           f"1-minute load average {lb[0]:.2f} before the run, {ld['min']:.2f}-{ld['max']:.2f} (mean "
-           f"{ld['mean']:.2f}) during it, our own processes included.",
-           "",
-           f"Code: commit `{m.get('git', '?')}`"
-           + (f" with uncommitted changes in {', '.join('`' + f + '`' for f in m['git_dirty'])}" if m.get("git_dirty") else "")
-           + ".", ""]
+    out = list(_run_line(r["meta"]))
     if "ingest" in r:
         ing = r["ingest"]
         p = ing["payload"]
@@ -190,6 +269,9 @@ def results_block(r: dict[str, Any]) -> str:
                 f"Worker target, at most 2 transactions and 4 round trips per processed event: "
                 f"**{'met' if report.worker_round_trip_target(wk) else 'not met'}** "
                 f"({wk['transactions_per_event']:.2f} and {wk['round_trips_per_event']:.2f}).", ""]
+    if "steady" in r:
+        out += ["### steady", "", _steady_method(r["steady"]), "", "CPU columns: ms per processed event.", "",
+                report.steady_table(r["steady"], markdown=True), ""]
     out += ["### summary lines", "", "```", *r.get("summaries", {}).values(), "```", "",
             "![throughput against concurrency and worker count, next to the pgbench limit](benchmarks.png)"]
     return "\n".join(out)

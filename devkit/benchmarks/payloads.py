@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from devkit.factories import SubscriptionHistory, sign
+from devkit.factories import BASIL_API, OLD_API, SubscriptionHistory, sign
 
 from devkit.procs import REPO
 
@@ -34,6 +34,9 @@ FIXTURES_DIR = Path(os.environ.get("BENCH_FIXTURES_DIR", REPO.parent / "shared" 
 _SHAPES = {"subscription": "customer.subscription.updated__rubymock_1.json",
            "invoice": "invoice.paid__rubymock_1.json",
            "customer": "customer.updated__rubymock_1.json"}
+
+# Fields of the dressing shapes that basil-era (2025-03-31) objects no longer carry there.
+_MOVED_BY_BASIL = {"subscription": ("current_period_start", "current_period_end"), "invoice": ("subscription",)}
 
 MIN_INGEST_BYTES = 3 * 1024
 MAX_INGEST_BYTES = 10 * 1024
@@ -79,6 +82,11 @@ class _Dresser:
         if not shape:
             return evt
         dressed = copy.deepcopy(shape)
+        if evt.get("api_version", "") >= BASIL_API:
+            # The corpus' shapes are 2020-08-27 objects: leave out what basil moved (the
+            # subscription's period to its items, the invoice's subscription to its parent).
+            for moved in _MOVED_BY_BASIL.get(obj.get("object"), ()):
+                dressed.pop(moved, None)
         dressed.update(obj)
         if obj.get("object") == "subscription":
             self._dress_items(dressed, obj, shape)
@@ -110,18 +118,21 @@ class _Dresser:
             dressed["plan"] = {**copy.deepcopy(shape["plan"]), **obj["plan"]}
 
 
-def lifecycles(count: int, *, seed: int = 7, window_s: int = 3600) -> list[dict[str, Any]]:
+def lifecycles(count: int, *, seed: int = 7, window_s: int = 3600,
+               api_version: str = OLD_API) -> list[dict[str, Any]]:
     """``count`` subscription lifecycles (10 events each: customer, subscription changes, invoices),
 
     interleaved the way they reach us from many customers at once: each lifecycle
     starts at a random time in ``window_s`` and the union is ordered by ``created``.
+    ``api_version`` chooses the objects' shape (``BASIL_API``: periods on the items,
+    the invoice's subscription under ``parent``).
     """
     rng = random.Random(seed)
     dresser = _Dresser()
     events = []
     base = int(time.time()) - 86400
     for _ in range(count):
-        history = SubscriptionHistory(start=base + rng.randrange(window_s)).lifecycle()
+        history = SubscriptionHistory(start=base + rng.randrange(window_s), api_version=api_version).lifecycle()
         events.extend(dresser.dress(e) for e in history.events)
     events.sort(key=lambda e: (e["created"], e["id"]))
     return events
@@ -162,4 +173,4 @@ def size_stats(bodies: Iterable[str]) -> dict[str, float]:
     if not sizes:
         return {}
     return {"n": len(sizes), "min_kb": sizes[0] / 1024, "median_kb": statistics.median(sizes) / 1024,
-            "max_kb": sizes[-1] / 1024}
+            "mean_kb": statistics.fmean(sizes) / 1024, "max_kb": sizes[-1] / 1024}

@@ -33,13 +33,15 @@ class BenchDatabase:
         self._monitor: psycopg.Connection | None = None
         self.monitor_statements = 0
 
-    def create(self) -> "BenchDatabase":
+    def create(self, migrate_with: Callable[[str], Any] = migrate) -> "BenchDatabase":
+        """A new, migrated database: by this checkout's migrations, or ``migrate_with(url)``
+        (an older revision's ``ledgerctl migrate``)."""
         with psycopg.connect(self.admin_url, autocommit=True) as conn:
             conn.execute(compose(SQL.database_drop, database=self.name))
             conn.execute(compose(SQL.database_create, database=self.name))
             if not conn.execute(SQL.bench_role_exists, {"role": MONITOR_ROLE}).fetchone():
                 conn.execute(compose(SQL.bench_role_create, role=MONITOR_ROLE))
-        migrate(self.url)
+        migrate_with(self.url)
         with psycopg.connect(self.url, autocommit=True) as conn:
             conn.execute(SQL.bench_statements_extension)
             conn.execute(SQL.bench_schema_create)

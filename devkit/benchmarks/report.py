@@ -107,6 +107,225 @@ def scale_figures(result: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+# -- steady ---------------------------------------------------------------------------------------
+
+# The issue's targets for the whole stack (steady), all of the current revision.
+STEADY_CPU_TARGET_MS = 2.0          # CPU per processed event, every process together (the client apart)
+STEADY_E2E_RATIO_TARGET = 3.0       # end-to-end events/s against the compared revision's...
+STEADY_E2E_RATIO_LEVELS = (8, 32)   # ...at these concurrencies
+STEADY_P99_TARGET_MS = 50.0         # ack p99 with the workers running...
+STEADY_P99_LEVEL = 32               # ...at this concurrency
+# The process types whose CPU is summed (in this order); the client is reported apart.
+STEADY_CPU_GROUPS = ("receiver", "worker parents", "worker pool children", "sweep", "Postgres", "Redis")
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "not met"
+
+
+def steady_sides(result: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the current revision's runs, the compared revision's or None)."""
+    revs = result["revisions"]
+    current = next(r for r in revs if r["commit"] is None)
+    return current, next((r for r in revs if r["commit"] is not None), None)
+
+
+def _by_level(side: dict[str, Any] | None) -> dict[int, dict[str, Any]]:
+    return {r["concurrency"]: r for r in side["runs"]} if side else {}
+
+
+def steady_cpu_met(run: dict[str, Any]) -> bool:
+    return run["cpu_ms_total"] <= STEADY_CPU_TARGET_MS
+
+
+def steady_p99_met(run: dict[str, Any]) -> bool:
+    return run["ack_p99_ms"] <= STEADY_P99_TARGET_MS
+
+
+def steady_e2e_ratio(run: dict[str, Any], base: dict[str, Any] | None) -> float | None:
+    return run["e2e_eps"] / base["e2e_eps"] if base and base["e2e_eps"] else None
+
+
+def steady_targets(result: dict[str, Any]) -> dict[str, tuple[str, str, bool]]:
+    """Every target that applies to this run, by summary key: (target, what was measured, met)."""
+    current, baseline = steady_sides(result)
+    runs, base = _by_level(current), _by_level(baseline)
+    out = {}
+    worst = max(runs.values(), key=lambda r: r["cpu_ms_total"])
+    out["cpu_2ms"] = (f"CPU per processed event, all processes together ≤ {STEADY_CPU_TARGET_MS} ms",
+                      ", ".join(f"c={c}: {r['cpu_ms_total']:.2f}" for c, r in runs.items()), steady_cpu_met(worst))
+    if STEADY_P99_LEVEL in runs:
+        r = runs[STEADY_P99_LEVEL]
+        out[f"p99_50ms_c{STEADY_P99_LEVEL}"] = (
+            f"ack p99 ≤ {STEADY_P99_TARGET_MS:.0f} ms at {STEADY_P99_LEVEL} connections, workers running",
+            f"{r['ack_p99_ms']:.1f} ms", steady_p99_met(r))
+    if baseline:
+        levels = [c for c in STEADY_E2E_RATIO_LEVELS if c in runs and c in base]
+        ratios = {c: steady_e2e_ratio(runs[c], base[c]) or 0.0 for c in levels}
+        if ratios:
+            out["e2e_3x"] = (f"end-to-end events/s at {' and '.join(map(str, levels))} connections ≥ "
+                             f"{STEADY_E2E_RATIO_TARGET:.0f}× {baseline['label']}'s",
+                             ", ".join(f"c={c}: {v:.2f}×" for c, v in ratios.items()),
+                             all(v >= STEADY_E2E_RATIO_TARGET for v in ratios.values()))
+    return out
+
+
+def steady_row(run: dict[str, Any], base: dict[str, Any] | None = None, *, targets: bool = True) -> dict[str, str]:
+    """One level of one revision as table cells, each target next to the number it applies to."""
+    c = run["concurrency"]
+    p99 = f"{run['ack_p99_ms']:.1f}"
+    if targets and c == STEADY_P99_LEVEL:
+        p99 += f" (target ≤ {STEADY_P99_TARGET_MS:.0f}: {_met(steady_p99_met(run))})"
+    e2e = f"{run['e2e_eps']:.1f}"
+    ratio = steady_e2e_ratio(run, base)
+    if targets and ratio is not None and c in STEADY_E2E_RATIO_LEVELS:
+        e2e += (f" ({ratio:.2f}× the compared revision; target ≥ {STEADY_E2E_RATIO_TARGET:.0f}×: "
+                f"{_met(ratio >= STEADY_E2E_RATIO_TARGET)})")
+    total = f"{run['cpu_ms_total']:.2f}"
+    if targets:
+        total += f" (target ≤ {STEADY_CPU_TARGET_MS}: {_met(steady_cpu_met(run))})"
+    row = {"c": str(c), "ack req/s": f"{run['ack_rps']:.1f}", "ack p50 ms": f"{run['ack_p50_ms']:.1f}",
+           "ack p99 ms": p99, "end-to-end events/s": e2e, "seconds": f"{run['e2e_s']:.1f}",
+           "backlog at last ack": str(run["backlog_at_last_ack"])}
+    row.update({g: f"{run['cpu_ms'].get(g, 0.0):.2f}" for g in STEADY_CPU_GROUPS})
+    row["total"] = total
+    row["client: wrk"] = f"{run['client_cpu_ms']['wrk']:.2f}"
+    row["errors"] = str(run["errors"])
+    return row
+
+
+def _cells(rows: list[dict[str, str]]) -> list[tuple[str, str, str]]:
+    return [(k, k, "") for k in rows[0]] if rows else []
+
+
+def steady_table(result: dict[str, Any], *, markdown: bool = False, label: str | None = None) -> str:
+    """One revision's levels (the current one by default); CPU columns are ms per processed event."""
+    current, baseline = steady_sides(result)
+    side = next((r for r in result["revisions"] if r["label"] == label), current) if label else current
+    base = _by_level(baseline) if side is current else {}
+    rows = [steady_row(r, base.get(r["concurrency"]), targets=side is current) for r in side["runs"]]
+    return (md_table if markdown else table)(rows, _cells(rows))
+
+
+# Rows of the before/after tables: (figure, value of a run, format).
+STEADY_FIGURES = [("ack req/s", lambda r: r["ack_rps"], ".1f"), ("ack p50 ms", lambda r: r["ack_p50_ms"], ".1f"),
+                  ("ack p99 ms", lambda r: r["ack_p99_ms"], ".1f"),
+                  ("end-to-end events/s", lambda r: r["e2e_eps"], ".1f"),
+                  ("backlog at the last ack", lambda r: r["backlog_at_last_ack"], ".0f")]
+STEADY_CPU_FIGURES = [(g, (lambda g: lambda r: r["cpu_ms"].get(g, 0.0))(g), ".2f") for g in STEADY_CPU_GROUPS] + [
+    ("total", lambda r: r["cpu_ms_total"], ".2f"),
+    ("client: wrk (not in the total)", lambda r: r["client_cpu_ms"]["wrk"], ".2f")]
+
+
+STEADY_TRAFFIC_FIGURES = [
+    ("SQL statements", lambda r: r.get("statements_per_event", 0.0), ".2f"),
+    ("round trips to Postgres", lambda r: r.get("round_trips_per_event", 0.0), ".2f"),
+    ("Redis commands", lambda r: r.get("redis_commands_per_event", 0.0), ".2f")]
+
+
+def steady_top_statements(run: dict[str, Any], count: int = 6) -> list[dict[str, str]]:
+    """The statements Postgres spent most execution time on, per processed event."""
+    calls = run.get("statements_by_name", {})
+    return [{"statement": statement_label(name), "calls/event": f"{calls.get(name, 0.0):.2f}",
+             "exec ms/event": f"{ms:.3f}"}
+            for name, ms in list(run.get("exec_ms_by_name", {}).items())[:count]]
+
+
+def _target_note(figure: str, c: int, new: float, ratio: float | None) -> tuple[str, str]:
+    """(note after the current value, note after the ratio) where a target applies."""
+    if figure == "ack p99 ms" and c == STEADY_P99_LEVEL:
+        return f" (target ≤ {STEADY_P99_TARGET_MS:.0f}: {_met(new <= STEADY_P99_TARGET_MS)})", ""
+    if figure == "end-to-end events/s" and c in STEADY_E2E_RATIO_LEVELS and ratio is not None:
+        return "", f" (target ≥ {STEADY_E2E_RATIO_TARGET:.0f}×: {_met(ratio >= STEADY_E2E_RATIO_TARGET)})"
+    if figure == "total":
+        return f" (target ≤ {STEADY_CPU_TARGET_MS}: {_met(new <= STEADY_CPU_TARGET_MS)})", ""
+    return "", ""
+
+
+def steady_compare_rows(result: dict[str, Any], figures) -> list[dict[str, str]]:
+    """Per figure: each level's compared value, current value and ratio current/compared."""
+    current, baseline = steady_sides(result)
+    runs, base = _by_level(current), _by_level(baseline)
+    old, new = baseline["label"], current["label"]
+    rows = []
+    for figure, value, spec in figures:
+        row = {"figure": figure}
+        for c in runs:
+            if c not in base:
+                continue
+            a, b = value(base[c]), value(runs[c])
+            ratio = b / a if a else None
+            note_new, note_ratio = _target_note(figure, c, b, ratio)
+            row[f"c={c} {old}"] = format(a, spec)
+            row[f"c={c} {new}"] = format(b, spec) + note_new
+            row[f"c={c} ratio"] = ("-" if ratio is None else f"{ratio:.2f}") + note_ratio
+        rows.append(row)
+    return rows
+
+
+def steady_compare_table(result: dict[str, Any], figures, *, markdown: bool = False) -> str:
+    rows = steady_compare_rows(result, figures)
+    return (md_table if markdown else table)(rows, _cells(rows))
+
+
+def steady_summary(result: dict[str, Any]) -> tuple[str, str]:
+    current, baseline = steady_sides(result)
+    base = _by_level(baseline)
+    parts = [f"current revision (CPU columns: ms per processed event; the client's apart)\n{steady_table(result)}"]
+    values: dict[str, Any] = {}
+    for r in current["runs"]:
+        c = r["concurrency"]
+        values.update({f"ack_rps_c{c}": r["ack_rps"], f"ack_p50_ms_c{c}": r["ack_p50_ms"],
+                       f"ack_p99_ms_c{c}": r["ack_p99_ms"], f"e2e_eps_c{c}": r["e2e_eps"],
+                       f"cpu_ms_c{c}": r["cpu_ms_total"]})
+        values.update({f"cpu_ms_{g.replace(' ', '_')}_c{c}": r["cpu_ms"].get(g, 0.0) for g in STEADY_CPU_GROUPS})
+        values[f"wrk_cpu_ms_c{c}"] = r["client_cpu_ms"]["wrk"]
+    top = current["runs"][-1]
+    rows = steady_top_statements(top)
+    if rows:
+        parts.append(f"Postgres' execution time per processed event, current revision at c={top['concurrency']} "
+                     f"({top.get('statements_per_event', 0):.2f} statements, {top.get('round_trips_per_event', 0):.2f} "
+                     f"round trips and {top.get('redis_commands_per_event', 0):.2f} Redis commands per event)\n"
+                     + table(rows, _cells(rows)))
+    if baseline:
+        parts.append(f"{baseline['label']} (the compared revision)\n"
+                     f"{steady_table(result, label=baseline['label'])}")
+        parts.append(f"before/after (ratio = current / {baseline['label']}; the last three per processed event)\n"
+                     f"{steady_compare_table(result, STEADY_FIGURES + STEADY_CPU_FIGURES + STEADY_TRAFFIC_FIGURES)}")
+        values["compared"] = baseline["label"]
+        for r in current["runs"]:
+            c = r["concurrency"]
+            if c in base:
+                values[f"e2e_ratio_c{c}"] = steady_e2e_ratio(r, base[c])
+                values[f"cpu_ratio_c{c}"] = r["cpu_ms_total"] / base[c]["cpu_ms_total"] if base[c]["cpu_ms_total"] else 0
+    targets = steady_targets(result)
+    parts.append("targets:\n" + "\n".join(f"  {t}: {what} -> {_met(ok)}" for t, what, ok in targets.values()))
+    values["errors"] = sum(r["errors"] for side in result["revisions"] for r in side["runs"])
+    values.update({key: "met" if ok else "not_met" for key, (_, _, ok) in targets.items()})
+    return "\n\n".join(parts), kv("steady", values)
+
+
+# -- --compare, any scenario ----------------------------------------------------------------------
+
+def parse_summary(line: str) -> dict[str, str]:
+    """The key=value pairs of a SUMMARY line."""
+    return dict(part.split("=", 1) for part in line.split()[2:] if "=" in part)
+
+
+def compare_table(current_line: str, baseline_line: str, baseline_label: str) -> str:
+    """Every numeric figure of two SUMMARY lines of one scenario, side by side, with current / compared."""
+    new, old = parse_summary(current_line), parse_summary(baseline_line)
+    rows = []
+    for key, value in new.items():
+        try:
+            b, a = float(value), float(old[key])
+        except (KeyError, ValueError):
+            continue
+        rows.append({"figure": key, baseline_label: old[key], "current": value,
+                     "ratio": f"{b / a:.3f}" if a else "-"})
+    return table(rows, _cells(rows)) if rows else "(no figure in common)"
+
+
 def summary(name: str, result: dict[str, Any]) -> tuple[str, str]:
     """(table, summary line) for one scenario's result."""
     if name == "ingest":
@@ -235,6 +454,8 @@ def summary(name: str, result: dict[str, Any]) -> tuple[str, str]:
             values["peak_rss_mb_" + k.replace(" ", "_")] = v
         values["rss_under_150mb"] = "met" if result["rss_target_met"] else "not_met"
         return text, kv("cost", values)
+    if name == "steady":
+        return steady_summary(result)
     if name == "profile":
         parts = []
         for who in ("receiver", "worker"):

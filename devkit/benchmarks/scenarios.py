@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
+import resource
 import statistics
 import subprocess
 import threading
@@ -22,15 +24,17 @@ from psycopg import sql as pg_sql
 from devkit.procs import Cleanup, venv_tool
 from devkit.servers import PrivateRedis
 from devkit.sql import SQL, compose
-from devkit.stack import Receiver, stack_env
+from devkit.stack import Checkout, Receiver
+from ledger.migrate import migrate
 from ledger.config import Settings
 from ledger.queries import SQL as LEDGER_SQL
 
-from . import payloads, report
+from . import payloads, report, revisions
 from .loadgen import Wrk
 from .payloads import SignedDelivery
 from .pg import BenchDatabase, run_pgbench, url_parts
-from .stack import ProcessWatch, WorkerFleet, bench_postgres, wire_segments
+from .revisions import Revision
+from .stack import ProcessWatch, Stack, WorkerFleet, bench_postgres, wire_segments
 from .workload import (BacklogEvent, DrainScript, EventSource, drop_queue, history_sql, ingest_scripts, load_received,
                        push_wakeups, redis_commands)
 
@@ -61,6 +65,12 @@ class Options:
     # Nice level of the burst's workers (--burst-worker-nice): a way to let acknowledgements
     # win the CPU on a host shared with the receiver; 0, as deployed by default.
     burst_worker_nice: int = 0
+    # steady: the whole stack at each concurrency, a fixed number of events per level
+    # (plus STEADY_REDELIVERY_SHARE of redeliveries), the ledger emptied between levels.
+    steady_levels: tuple[int, ...] = (1, 8, 32)
+    steady_events: int = 6_000
+    # --compare REV: that revision's product measured beside this checkout's (revisions.py).
+    compare: str | None = None
     out_dir: Path = field(default_factory=lambda: Path("/tmp"))
 
     @classmethod
@@ -68,7 +78,8 @@ class Options:
         if quick:
             base = cls(quick=True, levels=(1, 8, 32, 64), worker_counts=(1, 2, 4), ingest_s=1.5,
                        drain_events=4_000, drain_s=4.0, drain_warmup_s=1.0, drain_pgbench_s=2.0,
-                       burst_events=1_000, replay_events=1_000, history_events=50_000, out_dir=out_dir)
+                       burst_events=1_000, replay_events=1_000, history_events=50_000, steady_events=600,
+                       out_dir=out_dir)
         else:
             base = cls(out_dir=out_dir)
         for key, value in overrides.items():
@@ -81,22 +92,48 @@ def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
+@dataclass
+class Side:
+    """One revision's share of the run: its database (migrated by that revision's own
+    migrations), its processes' environment, and its results so far."""
+    revision: Revision
+    db: BenchDatabase
+    env: dict[str, str]
+    settings: Settings
+    results: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return self.revision.label
+
+
 class Bench:
-    """The run: private servers, the receiver, worker fleets, and the results so far."""
+    """The run: private servers, the receiver, worker fleets, and the results so far.
+
+    Each revision measured (this checkout; with ``--compare``, an older one as well) is a
+    ``Side`` with a database of its own on the same private server; ``db``, ``env``,
+    ``settings`` and ``results`` are the active side's (``using``).
+    """
 
     def __init__(self, opts: Options):
         self.opts = opts
         self.work = opts.out_dir
         self.cleanup = Cleanup("bench")
-        self.results: dict[str, Any] = {}
         self.peak_rss: dict[str, float] = {}
         self._receiver: Receiver | None = None
         self._source: EventSource | None = None
+        self._steady_source: EventSource | None = None
         self._templates = None
         self.label = "empty"
+        self.sides: list[Side] = []
+        self.side: Side | None = None
+        self._unstarted: dict[str, Any] = {}  # the results of a run stopped before its database existed
 
     # -- set-up ----------------------------------------------------------------------------
     def start(self) -> "Bench":
+        baseline = None
+        if self.opts.compare:  # first: a revision that cannot be installed fails the run before anything starts
+            baseline = revisions.prepare(self.opts.compare, self.work, self.cleanup, log)
         log("starting a private PostgreSQL and Redis")
         self.pg = bench_postgres()
         self.cleanup.add("private postgres", self.pg.destroy)
@@ -104,27 +141,88 @@ class Bench:
         self.redis = PrivateRedis(self.work / "redis.log")
         self.cleanup.add("private redis", lambda: self.redis.stop(grace_s=5))
         self.redis.start()
-        self.db = BenchDatabase(self.pg.url_for).create()
-        self.cleanup.add("monitor connection", self.db.close)
-        self.settings = Settings(database_url=self.db.url, broker_url=self.redis.url, queue_name=QUEUE,
-                                 webhook_secrets=(SECRET,))
-        self.env = stack_env(self.db.url, self.redis.url, {
+        if baseline is not None:
+            log(f"migrating the database of {baseline.label} with its own ledgerctl migrate")
+            self.sides.append(self._side(baseline, f"ledger_bench_{baseline.label}",
+                                         lambda url: baseline.migrate(url, self.redis.url)))
+        self.side = self._side(revisions.current(), "ledger_bench", migrate)
+        self.sides.append(self.side)
+        self.wrk = Wrk(self.work)
+        return self
+
+    def _side(self, revision: Revision, database: str, migrate_with) -> Side:
+        db = BenchDatabase(self.pg.url_for, name=database).create(migrate_with)
+        self.cleanup.add(f"monitor connection ({database})", db.close)
+        settings = Settings(database_url=db.url, broker_url=self.redis.url, queue_name=QUEUE,
+                            webhook_secrets=(SECRET,))
+        env = revision.checkout.env(db.url, self.redis.url, {
             "STRIPE_WEBHOOK_SECRET": SECRET, "LEDGER_QUEUE": QUEUE,
             "STRIPE_SIGNATURE_TOLERANCE_S": str(SIGNATURE_TOLERANCE_S)})
-        self.wrk = Wrk(self.work)
-        self.pg_parts = url_parts(self.db.url)
-        return self
+        return Side(revision, db, env, settings)
+
+    @property
+    def baseline(self) -> Side | None:
+        """The older revision of ``--compare``, if any."""
+        return next((s for s in self.sides if not s.revision.current), None)
+
+    @property
+    def db(self) -> BenchDatabase:
+        return self.side.db
+
+    @property
+    def env(self) -> dict[str, str]:
+        return self.side.env
+
+    @property
+    def settings(self) -> Settings:
+        return self.side.settings
+
+    @property
+    def results(self) -> dict[str, Any]:
+        return self.side.results if self.side else self._unstarted
+
+    @property
+    def pg_parts(self) -> dict:
+        return url_parts(self.db.url)
+
+    @property
+    def checkout(self) -> Checkout:
+        return self.side.revision.checkout
+
+    @contextlib.contextmanager
+    def using(self, side: Side):
+        """Run what follows against ``side``: its database, its revision's processes."""
+        previous = self.side
+        if side is not previous:
+            self.stop_receiver()
+            drop_queue(self.redis.url, QUEUE)
+        self.side = side
+        try:
+            yield side
+        finally:
+            if side is not previous:
+                self.stop_receiver()
+            self.side = previous
 
     def receiver(self) -> Receiver:
         if self._receiver is None:
             log(f"starting the receiver (gunicorn, "
-                f"{report.receiver_kind(self.opts.receiver_workers, self.opts.receiver_threads)})")
-            self._receiver = Receiver(self.env, self.work, workers=self.opts.receiver_workers,
-                                      threads=self.opts.receiver_threads, ready_path="/readyz",
-                                      extra_args=("--backlog", "2048"))
+                f"{report.receiver_kind(self.opts.receiver_workers, self.opts.receiver_threads)})"
+                + ("" if self.side.revision.current else f" of {self.side.label}"))
+            self._receiver = self.checkout.adopt(Receiver(self.env, self.work, workers=self.opts.receiver_workers,
+                                                          threads=self.opts.receiver_threads, ready_path="/readyz",
+                                                          extra_args=("--backlog", "2048")))
             self.cleanup.add("receiver", self._receiver.stop)
             self._receiver.start()
         return self._receiver
+
+    def stop_receiver(self) -> None:
+        """Stop the shared receiver (the next ``receiver()`` starts the active side's)."""
+        if self._receiver is not None:
+            self.note_rss(ProcessWatch(self._receiver.pids).peak_rss_mb())
+            self._receiver.stop()
+            self.cleanup.remove(self._receiver.stop)
+            self._receiver = None
 
     @property
     def source(self) -> EventSource:
@@ -136,6 +234,16 @@ class Bench:
         return self._source
 
     @property
+    def steady_source(self) -> EventSource:
+        """Basil-era (2025-03-31) lifecycles for steady, re-issued under fresh ids per level."""
+        if self._steady_source is None:
+            count = min(4000, self.opts.steady_events)
+            log(f"generating {count // 10} basil-era subscription lifecycles ({count} events)")
+            self._steady_source = EventSource(payloads.lifecycles(count // 10, seed=13,
+                                                                  api_version=payloads.BASIL_API))
+        return self._steady_source
+
+    @property
     def templates(self):
         if self._templates is None:
             self._templates = payloads.ingest_templates(lifecycle_count=4)
@@ -143,7 +251,8 @@ class Bench:
 
     @contextlib.contextmanager
     def fleet(self, count: int, label: str = "w", nice: int = 0):
-        fleet = WorkerFleet(self.env, self.work, count=count, queue=QUEUE, label=label, nice=nice)
+        fleet = WorkerFleet(self.env, self.work, count=count, queue=QUEUE, label=label, nice=nice,
+                            checkout=self.checkout)
         self.cleanup.add(f"{count} workers", fleet.stop)
         try:
             fleet.start()
@@ -180,6 +289,11 @@ class Bench:
 
     def deliveries(self, templates, count: int, seed: int) -> list[SignedDelivery]:
         return payloads.signed_deliveries(templates, count, SECRET, seed=seed)
+
+    def signed(self, events: list[BacklogEvent]) -> list[SignedDelivery]:
+        """A delivery of each of ``events`` as they are (ids and bodies kept), signed now."""
+        now = int(time.time())
+        return [SignedDelivery(e.id, e.body, payloads.sign(e.body, SECRET, timestamp=now)) for e in events]
 
     def meter(self, groups: Callable[[], dict[str, list[int]]]) -> "Meter":
         return Meter(self, groups)
@@ -236,14 +350,17 @@ class Meter:
         calls = sum(s["calls"] for s in statements)
         events = sum(s["calls"] for s in statements if s["name"] == anchor) or max(self.cpu_events, 1)
         by_name: dict[str, float] = {}
+        exec_ms: dict[str, float] = {}
         for s in statements:
             by_name[s["name"]] = by_name.get(s["name"], 0) + s["calls"] / events
+            exec_ms[s["name"]] = exec_ms.get(s["name"], 0) + s["exec_ms"] / events
         n = max(self.cpu_events, 1)
         return {"events": events, "cpu_events": self.cpu_events, "elapsed_s": self.elapsed,
                 "statements_per_event": calls / events, "round_trips_per_event": self.wire_in / n,
                 "client_writes_per_event": self.wire_out / n,
                 "transactions_per_event": xacts / events,
                 "statements_by_name": dict(sorted(by_name.items(), key=lambda kv: -kv[1])),
+                "exec_ms_by_name": dict(sorted(exec_ms.items(), key=lambda kv: -kv[1])),
                 "redis_commands_per_event": sum(redis.values()) / events,
                 "redis_by_command": {k: v / events for k, v in sorted(redis.items(), key=lambda kv: -kv[1])},
                 "cpu_ms_per_event": {k: 1000 * v / n for k, v in self.cpu.items()},
@@ -480,8 +597,7 @@ def burst(b: Bench) -> dict[str, Any]:
     opts = b.opts
     rc = b.receiver()
     events = b.fresh_backlog(opts.burst_events)
-    now = int(time.time())
-    deliveries = [SignedDelivery(e.id, e.body, payloads.sign(e.body, SECRET, timestamp=now)) for e in events]
+    deliveries = b.signed(events)
     segments = 10
     size = len(deliveries) // segments
     log(f"burst: {len(deliveries)} deliveries at c={opts.burst_connections} while 2 workers run"
@@ -559,7 +675,7 @@ def replay(b: Bench) -> dict[str, Any]:
     log(f"replay: ledgerctl replay of {len(events)} failed_permanent events, live ingest (c=8) alongside")
     # The live ingest starts first and the replay once deliveries are being recorded, so the
     # replay runs entirely inside it; its rate during the replay is read from the rows.
-    cmd = [venv_tool("ledgerctl"), "replay", "--status", "failed_permanent", "--yes", "--rate", "1000000",
+    cmd = [b.checkout.tool("ledgerctl"), "replay", "--status", "failed_permanent", "--yes", "--rate", "1000000",
            "--why", "benchmark", "--json"]
     started: dict[str, subprocess.Popen] = {}
     box: dict[str, Any] = {}
@@ -582,8 +698,8 @@ def replay(b: Bench) -> dict[str, Any]:
             raise RuntimeError(f"the live ingest did not start: {box.get('error')}")
         time.sleep(0.05)
     with open(b.work / "replay.log", "wb") as out:
-        proc = subprocess.Popen(cmd, env=b.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, env=b.env, cwd=b.checkout.root, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
     started["proc"] = proc
     b.cleanup.add("ledgerctl replay", proc.kill)
     try:
@@ -616,6 +732,123 @@ def replay(b: Bench) -> dict[str, Any]:
         f"{base.rps:.0f} -> {live_rps_during:.0f} req/s (slowdown {100 * result['live_slowdown']:.0f}%)")
     b.clear()
     return result
+
+
+# -- steady -------------------------------------------------------------------------------------
+
+# Of the deliveries of each steady level, the share that are redeliveries of an event already sent.
+STEADY_REDELIVERY_SHARE = 0.05
+
+
+def with_redeliveries(deliveries: list[SignedDelivery], share: float, *, seed: int) -> list[SignedDelivery]:
+    """``deliveries`` with redeliveries mixed in, ``share`` of the result: each repeats an earlier
+    delivery (same body) at a uniformly random later position, so some find their event
+    still waiting or in progress and most find it processed."""
+    rng = random.Random(seed)
+    keyed = [(float(i), d) for i, d in enumerate(deliveries)]
+    for _ in range(round(len(deliveries) * share / (1 - share))):
+        i = rng.randrange(len(deliveries) - 1)
+        keyed.append((rng.uniform(i + 0.5, len(deliveries)), deliveries[i]))
+    keyed.sort(key=lambda kv: kv[0])
+    return [d for _, d in keyed]
+
+
+def _wait_processed(b: Bench, rc: Receiver, unique: list[SignedDelivery], timeout_s: float) -> int:
+    """Every delivery has its row (those that never left wrk are sent again: returned) and none is unfinished."""
+    resent = 0
+    if b.db.one(SQL.bench_events_count) < len(unique):
+        resent = _ensure_recorded(b, rc, unique)
+    deadline = time.monotonic() + timeout_s
+    while b.db.unfinished() > 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"steady: events not processed within {timeout_s:.0f}s ({b.db.unfinished()} left)")
+        time.sleep(0.05)
+    return resent
+
+
+def _steady_level(b: Bench, c: int) -> dict[str, Any]:
+    """One level on the active side: a fresh stack, warmed up, on an empty ledger; then every
+    delivery sent at concurrency ``c`` and the run timed until every event is processed."""
+    opts = b.opts
+    side = b.side.label
+    events = b.steady_source.backlog(opts.steady_events)
+    unique = b.signed(events)
+    deliveries = with_redeliveries(unique, STEADY_REDELIVERY_SHARE, seed=c)
+    warm = b.signed(b.steady_source.backlog(200))
+    b.stop_receiver()  # only this level's stack runs
+    stack = Stack(b.env, b.work, queue=QUEUE, label=f"steady-{side}-c{c}-", checkout=b.checkout,
+                  receiver_workers=opts.receiver_workers, receiver_threads=opts.receiver_threads)
+    b.cleanup.add("steady stack", stack.stop)
+    try:
+        b.clear()
+        stack.start()
+        rc = stack.receiver
+        b.wrk.run(rc.port, warm, 8, max_duration_s=60)  # warm-up: imports, pools, prepared statements
+        _wait_processed(b, rc, warm, timeout_s=120)
+        b.clear()
+        # Statements, round trips and Redis commands per event too (Meter); not transactions,
+        # which Postgres 15 publishes only as the backends exit.
+        meter = b.meter(lambda: {**stack.pids(), "Redis": [b.redis.pid]})
+        ids = [d.event_id for d in unique]
+        processed = lambda: b.db.one(SQL.bench_events_processed_count, {"ids": ids})  # noqa: E731
+        meter.begin_sql()
+        self0 = resource.getrusage(resource.RUSAGE_SELF)
+        meter.begin_cpu(processed)
+        r = b.wrk.run(rc.port, deliveries, c, max_duration_s=600)
+        backlog = b.db.unfinished()
+        resent = _wait_processed(b, rc, unique, timeout_s=max(300, len(unique) / 10))
+        meter.end_cpu(processed)
+        self1 = resource.getrusage(resource.RUSAGE_SELF)
+        cost = meter.finish("event_finish_if_lease_held")
+        stats = _run_stats(b, ids)
+        rss = ProcessWatch(stack.pids).peak_rss_mb()
+    finally:
+        stack.stop()
+        b.cleanup.remove(stack.stop)
+    cpu = {**meter.cpu, "Postgres": meter.pg_cpu}
+    n = max(stats["processed"], 1)
+    e2e_s = stats["last_processed"] - r.started_at
+    driver_s = (self1.ru_utime - self0.ru_utime) + (self1.ru_stime - self0.ru_stime)
+    row = {"concurrency": c, "deliveries": len(deliveries), "events": len(unique),
+           "redeliveries": len(deliveries) - len(unique), "processed": stats["processed"],
+           "not_processed": stats["not_processed"], "errors": r.errors + stats["not_processed"], "resent": resent,
+           "ack_rps": r.rps, "ack_p50_ms": r.p50_ms, "ack_p99_ms": r.p99_ms, "ack_s": r.duration_s,
+           "e2e_s": e2e_s, "e2e_eps": stats["processed"] / e2e_s if e2e_s > 0 else 0.0,
+           "backlog_at_last_ack": backlog, "max_wait_s": stats["max_wait_s"],
+           "cpu_ms": {k: 1000 * v / n for k, v in cpu.items()}, "cpu_ms_total": 1000 * sum(cpu.values()) / n,
+           "client_cpu_ms": {"wrk": 1000 * r.wrk_cpu_s / n, "bench driver": 1000 * driver_s / n},
+           "wrk_cpu_pct": r.wrk_cpu_pct, "peak_rss_mb": rss,
+           **{k: cost[k] for k in ("statements_per_event", "round_trips_per_event", "statements_by_name",
+                                   "exec_ms_by_name", "redis_commands_per_event", "redis_by_command")}}
+    log(f"  steady [{side}] c={c:<3} ack {r.rps:7.1f} req/s p50 {r.p50_ms:6.1f} ms p99 {r.p99_ms:7.1f} ms | "
+        f"end-to-end {row['e2e_eps']:7.1f} events/s ({stats['processed']} in {e2e_s:.1f}s, backlog at the last "
+        f"ack {backlog}) | CPU {row['cpu_ms_total']:.2f} ms/event | errors {row['errors']}")
+    b.clear()
+    return row
+
+
+def steady(b: Bench) -> dict[str, Any]:
+    """The whole stack as README runs it, fed at each concurrency until every event is processed.
+
+    With ``--compare``, the older revision and this checkout take turns per level (older
+    c=1, current c=1, older c=8, ...), so that drift of the shared machine hits both alike.
+    """
+    opts = b.opts
+    log(f"steady: {opts.steady_events:,} events per level (+{100 * STEADY_REDELIVERY_SHARE:.0f}% redeliveries), "
+        f"concurrency {', '.join(map(str, opts.steady_levels))}; revisions: {', '.join(s.label for s in b.sides)}")
+    runs: dict[str, list[dict[str, Any]]] = {s.label: [] for s in b.sides}
+    for c in opts.steady_levels:
+        for side in b.sides:
+            with b.using(side):
+                runs[side.label].append(_steady_level(b, c))
+    sample = b.steady_source.backlog(500)
+    return {"levels": list(opts.steady_levels), "events_per_level": opts.steady_events,
+            "redelivery_share": STEADY_REDELIVERY_SHARE, "api_version": payloads.BASIL_API,
+            "payload": payloads.size_stats(e.body for e in sample),
+            "receiver_workers": opts.receiver_workers, "receiver_threads": opts.receiver_threads,
+            "workers": 2, "worker_concurrency": 2,
+            "loadgen": "wrk 4 (1 thread, pre-signed requests replayed by a Lua script)",
+            "revisions": [{"label": s.label, "commit": s.revision.commit, "runs": runs[s.label]} for s in b.sides]}
 
 
 # -- scale --------------------------------------------------------------------------------------
@@ -878,6 +1111,9 @@ def _wait_drained_count(b: Bench, remaining: int, timeout_s: float) -> None:
 
 SCENARIOS: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "ingest": ingest, "drain": drain, "burst": burst, "replay": replay, "scale": scale, "cost": cost,
-    "profile": profile,
+    "profile": profile, "steady": steady,
 }
-ALL = ("ingest", "drain", "burst", "replay", "scale", "cost")
+ALL = ("ingest", "drain", "burst", "replay", "scale", "cost", "steady")
+# Scenarios that take turns between the revisions of --compare themselves (per level);
+# every other scenario runs once per revision, the older one first.
+INTERLEAVED = ("steady",)

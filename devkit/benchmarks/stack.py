@@ -20,7 +20,7 @@ from typing import Callable, Mapping
 
 from devkit.procs import cpu_seconds, memory_kb, signal_group, wait_until
 from devkit.servers import PrivatePostgres
-from devkit.stack import Worker
+from devkit.stack import Checkout, ReadmeWorker, Receiver, Sweep, Worker
 
 # Durability as Postgres ships it (fsync and synchronous_commit on): the limit it measures is
 # the one production has. pg_stat_statements counts statements; the rest sizes the server
@@ -37,21 +37,32 @@ def bench_postgres() -> PrivatePostgres:
 
 
 class WorkerFleet:
-    """N ``celery -A workers worker --concurrency 1`` instances: one per "machine" the user adds."""
+    """N ``celery -A workers worker --concurrency 1`` instances: one per "machine" the user adds.
+
+    With ``readme``, each is ``celery -A workers worker --concurrency N`` exactly as README
+    runs it instead (``devkit.stack.ReadmeWorker``: every queue, Celery's own log level);
+    ``checkout`` runs another revision's celery (``--compare``).
+    """
 
     def __init__(self, env: Mapping[str, str], log_dir: Path, *, count: int, queue: str, label: str = "w",
-                 nice: int = 0):
-        self.workers = [Worker(env, log_dir, queues=(queue,), concurrency=1, node=f"{label}{index}-{os.getpid()}",
-                               nice=nice) for index in range(count)]
+                 nice: int = 0, concurrency: int = 1, readme: bool = False, checkout: Checkout = Checkout()):
+        self.concurrency = concurrency
+        nodes = [f"{label}{index}-{os.getpid()}" for index in range(count)]
+        if readme:
+            workers = [ReadmeWorker(env, log_dir, concurrency=concurrency, node=node) for node in nodes]
+        else:
+            workers = [Worker(env, log_dir, queues=(queue,), concurrency=concurrency, node=node, nice=nice)
+                       for node in nodes]
+        self.workers = [checkout.adopt(worker) for worker in workers]
 
     def start(self, timeout_s: float = 90) -> "WorkerFleet":
         for worker in self.workers:
             worker.start()
 
-        def pools_up() -> bool:  # every worker has forked its pool process
+        def pools_up() -> bool:  # every worker has forked its pool processes
             for worker in self.workers:
                 worker.ensure_alive()
-            return all(worker.children() for worker in self.workers)
+            return all(len(worker.children()) >= self.concurrency for worker in self.workers)
         wait_until(pools_up, timeout_s=timeout_s, interval_s=0.1, what="the workers' pool processes")
         return self
 
@@ -65,6 +76,41 @@ class WorkerFleet:
                 signal_group(worker.pid, signal.SIGTERM)
         for worker in self.workers:
             worker.stop(grace_s=15)
+
+
+class Stack:
+    """The whole stack as README runs it: the receiver (``gunicorn --workers 4``, sync), two
+    ``celery -A workers worker --concurrency 2`` (2 parents, 4 pool children) and the recovery
+    sweep (``ledgerctl sweep --loop``), all of ``checkout``'s revision. ``start`` returns once
+    every process is up; the workers consume from then on, which the caller's warm-up shows."""
+
+    def __init__(self, env: Mapping[str, str], log_dir: Path, *, queue: str, label: str,
+                 checkout: Checkout = Checkout(), receiver_workers: int = 4, receiver_threads: int = 1,
+                 workers: int = 2, concurrency: int = 2):
+        self.receiver = checkout.adopt(Receiver(env, log_dir, workers=receiver_workers, threads=receiver_threads,
+                                                ready_path="/readyz", extra_args=("--backlog", "2048")))
+        self.fleet = WorkerFleet(env, log_dir, count=workers, queue=queue, label=label, concurrency=concurrency,
+                                 readme=True, checkout=checkout)
+        self.sweep = checkout.adopt(Sweep(env, log_dir, name=f"{label}-sweep"))
+
+    def start(self, timeout_s: float = 90) -> "Stack":
+        self.sweep.start()
+        self.fleet.start(timeout_s)
+        self.receiver.start(timeout_s)
+        self.sweep.ensure_alive()
+        return self
+
+    def pids(self) -> dict[str, list[int]]:
+        """The process types whose CPU ``steady`` reports."""
+        workers = self.fleet.pids()
+        return {"receiver": [p for pids in self.receiver.pids().values() for p in pids],
+                "worker parents": workers["worker main"], "worker pool children": workers["worker pool process"],
+                "sweep": [self.sweep.pid, *self.sweep.children()] if self.sweep.pid else []}
+
+    def stop(self) -> None:
+        self.receiver.stop()
+        self.fleet.stop()
+        self.sweep.stop()
 
 
 @dataclass
