@@ -72,8 +72,17 @@ class BenchDatabase:
     def reset(self) -> None:
         """Empty every ledger and billing table, then VACUUM ANALYZE (a fresh, empty ledger)."""
         tables = [r[0] for r in self.q(SQL.bench_tables_to_reset)]
-        if tables:
-            self.q(compose(SQL.bench_truncate, tables=tables))
+        for attempt in range(3):
+            try:
+                if tables:
+                    self.q(compose(SQL.bench_truncate, tables=tables))
+                break
+            except psycopg.errors.DeadlockDetected:
+                # A delivery wrk sent before it stopped may still be inserting: TRUNCATE's
+                # exclusive locks then deadlock with its row locks. That request ends in moments.
+                if attempt == 2:
+                    raise
+                time.sleep(1)
         self.vacuum()
 
     def vacuum(self, *tables: str, index_cleanup: bool = False) -> None:
