@@ -9,16 +9,14 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from devkit.procs import free_port
+from devkit.procs import answers, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVSTACK = ROOT / "ops" / "devstack"
@@ -46,12 +44,6 @@ def read_pids(pid_dir: Path) -> dict[str, int]:
     return {f.stem: int(f.read_text()) for f in pid_dir.glob("*.pid")}
 
 
-def port_open(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(1)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 def processes_of(groups: set[int], marker: str) -> list[str]:
     """Live processes in one of these process groups, or whose environment contains marker."""
     found = []
@@ -72,16 +64,6 @@ def processes_of(groups: set[int], marker: str) -> list[str]:
         except (FileNotFoundError, ProcessLookupError, ValueError):
             continue
     return found
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def test_devstack_is_valid_bash():
@@ -123,8 +105,8 @@ def test_up_starts_private_servers_processes_a_signed_event_and_stop_leaves_noth
         stack = read_env_file(run_dir / "env")
         pg_port = int(stack["DATABASE_URL"].rsplit(":", 1)[1].split("/")[0])
         redis_port = int(stack["CELERY_BROKER_URL"].rsplit(":", 1)[1].split("/")[0])
-        assert pg_port not in (closed_pg, 5432) and port_open(pg_port)
-        assert redis_port not in (closed_redis, 6379) and port_open(redis_port)
+        assert pg_port not in (closed_pg, 5432) and answers(pg_port)
+        assert redis_port not in (closed_redis, 6379) and answers(redis_port)
         assert stack["DEVSTACK_RECEIVER_URL"] == f"http://127.0.0.1:{receiver_port}"
         with urllib.request.urlopen(f"{stack['DEVSTACK_RECEIVER_URL']}/healthz", timeout=5) as health:
             assert health.status == 200
@@ -145,7 +127,7 @@ def test_up_starts_private_servers_processes_a_signed_event_and_stop_leaves_noth
             detail = json.loads(shown.stdout)
             return detail if detail["event"]["status"] == "processed" else None
 
-        detail = wait_for(processed, 30, f"{answer['event_id']} to be processed")
+        detail = wait_until(processed, timeout_s=30, interval_s=0.5, what=f"{answer['event_id']} to be processed")
         assert detail["event"]["attempts"] == 1
         assert {row["table_name"] for row in detail["domain_rows"]} == {"billing.customers"}
     finally:
@@ -153,7 +135,7 @@ def test_up_starts_private_servers_processes_a_signed_event_and_stop_leaves_noth
 
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert processes_of(set(pids.values()), f"DEVSTACK_DIR={run_dir}") == []
-    assert not port_open(pg_port) and not port_open(redis_port) and not port_open(receiver_port)
+    assert not answers(pg_port) and not answers(redis_port) and not answers(receiver_port)
     assert not (run_dir / "env").exists()
     # Where root's `postgres` user cannot reach tmp_path, the cluster lived in a temporary directory.
     assert pg_dir == run_dir / "postgres" or not pg_dir.exists()
