@@ -82,11 +82,12 @@ SABOTAGES = (
     Sabotage(
         "failure-marked-processed",
         "processor swallows a handler's exception and lets the apply transaction finish: the "
-        "event is marked processed with whatever the handler wrote (EventProcessor._work, workers/processor.py)",
+        "event is marked processed with whatever the handler wrote (EventProcessor._run_handlers, "
+        "workers/processor.py: one event's apply and a batch's alike)",
         (("workers/processor.py",
-          "                for handle in handlers:\n                    handle(context)\n",
-          "                for handle in handlers:\n                    try:\n                        handle(context)\n"
-          "                    except Exception:\n                        log.exception(\"handler failed\")\n"),),
+          "        for handle in self.registry.resolve(claim.type):\n            handle(context)\n",
+          "        for handle in self.registry.resolve(claim.type):\n            try:\n                handle(context)\n"
+          "            except Exception:\n                log.exception(\"handler failed\")\n"),),
         ("tests/unit/test_worker_failures.py", "tests/e2e/test_worker_retries.py")),
     Sabotage(
         "claim-without-status-check",
@@ -102,6 +103,44 @@ SABOTAGES = (
           "           redrives         = 0,\n           processed_at     = NULL,\n"
           "           updated_at       = now()\n     WHERE id = %(id)s\n RETURNING")),
         ("tests/e2e/test_worker_concurrency.py", "tests/integration/test_worker_processor.py")),
+    Sabotage(
+        "batch-claim-without-status-check",
+        "event_claim_batch takes every id of the batch, whatever its status or lease (and clears "
+        "processed_at, so the schema's CHECKs accept it) (ledger/sql/events.sql)",
+        (("ledger/sql/events.sql",
+          "     WHERE id = ANY(%(ids)s)\n       AND (status = 'received'\n"
+          "            OR (status = 'failed_recoverable' AND next_attempt_at <= now())\n"
+          "            OR (status = 'processing' AND lease_expires_at < now()))\n       FOR NO KEY UPDATE SKIP LOCKED",
+          "     WHERE id = ANY(%(ids)s)\n       FOR NO KEY UPDATE SKIP LOCKED"),
+         ("ledger/sql/events.sql",
+          "           redrives         = 0,\n           updated_at       = now()\n"
+          "     WHERE id IN (SELECT id FROM claimable)",
+          "           redrives         = 0,\n           processed_at     = NULL,\n           updated_at       = now()\n"
+          "     WHERE id IN (SELECT id FROM claimable)")),
+        ("tests/integration/test_worker_batch.py", "tests/e2e/test_worker_concurrency.py")),
+    Sabotage(
+        "batch-fence-without-lease-owner",
+        "a batch applies each event under a fence and a finish that no longer check the lease owner: "
+        "lease_owner dropped from the statements BatchApply.member runs (ledger/store.py); the single "
+        "event's apply keeps its fence",
+        (("ledger/store.py",
+          "            conn.execute(SQL.event_lock_if_lease_held, keys)\n            yield conn\n"
+          "            conn.execute(SQL.event_finish_if_lease_held, keys)\n            conn.execute(f\"RELEASE",
+          "            unfenced = \" AND lease_owner = %(lease_owner)s\"\n"
+          "            conn.execute(SQL.event_lock_if_lease_held.replace(unfenced, \"\"), keys)\n"
+          "            yield conn\n"
+          "            conn.execute(SQL.event_finish_if_lease_held.replace(unfenced, \"\"), keys)\n"
+          "            conn.execute(f\"RELEASE"),),
+        ("tests/integration/test_worker_batch.py",)),
+    Sabotage(
+        "batch-member-not-rolled-back",
+        "a batch member that failed has its savepoint released instead of rolled back "
+        "(BatchApply._roll_back_member, ledger/store.py): its writes commit with its batch-mates' while "
+        "it is recorded as failed",
+        (("ledger/store.py",
+          "            conn.execute(f\"ROLLBACK TO SAVEPOINT {self._SAVEPOINT}\")\n",
+          ""),),
+        ("tests/integration/test_worker_batch.py",)),
 )
 
 

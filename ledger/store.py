@@ -2,10 +2,10 @@
 workers claim, apply-and-finish and fail attempts (WorkerLedger).
 
 Statements are named SQL (ledger/sql/events.sql), each run through
-ledger.statements and its one retry rule, except the apply transaction: it
-holds one connection from BEGIN to COMMIT and is never retried (a failed
-attempt is recorded and retried on the event's own schedule). The operator's
-side is ledger.operator, the outbox's ledger.outbox.
+ledger.statements and its one retry rule, except the apply transactions (one
+event's, or a batch's): each holds one connection from BEGIN to COMMIT and is
+never retried (a failed attempt is recorded and retried on the event's own
+schedule). The operator's side is ledger.operator, the outbox's ledger.outbox.
 """
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import psycopg
 from psycopg_pool import PoolTimeout
 
 from ledger.db import ProcessPool
-from ledger.errors import DatabaseUnavailable, LeaseLost
+from ledger.errors import DatabaseUnavailable, LeaseLost, LedgerError
 from ledger.queries import SQL
 from ledger.states import EventStatus, OutboxStatus
 from ledger.statements import run_statement
@@ -90,6 +90,10 @@ class EventStore:
 LEASE_NOT_HELD = "LL001"
 
 
+class BatchLost(LedgerError):
+    """The batch's transaction is gone (its connection broke): nothing of the batch commits."""
+
+
 def _rollback_quietly(conn: psycopg.Connection) -> None:
     """Roll back after a failed apply; a dead connection is the pool's to discard, and the
     original error is the one worth raising."""
@@ -137,13 +141,17 @@ class WorkerLedger:
         lease_owner = uuid.uuid4().hex
         rows = run_statement(self._pool, SQL.event_claim,
                              {"id": event_id, "worker": worker, "lease_owner": lease_owner, "lease_s": lease_s})
-        if not rows:
-            return None
-        row = rows[0]
-        return Claim(event_id=row["id"], type=row["type"], attempt=row["attempts"], lease_owner=lease_owner,
-                     payload=row["payload"], created=row["stripe_created"], livemode=row["livemode"],
-                     api_version=row["api_version"], account=row["account"], tries=row["tries"],
-                     rescued=row["rescued"])
+        return _claim(rows[0], lease_owner) if rows else None
+
+    def claim_batch(self, event_ids: Sequence[str], *, worker: str, lease_s: int) -> list[Claim]:
+        """One compare-and-set for several events (one lease owner for all): the claims, in the
+        order of ``event_ids``; an id another worker has, that is done, not due, or locked right
+        now (see event_claim_batch) has none."""
+        lease_owner = uuid.uuid4().hex
+        rows = run_statement(self._pool, SQL.event_claim_batch, {"ids": list(event_ids), "worker": worker,
+                                                                  "lease_owner": lease_owner, "lease_s": lease_s})
+        claims = {row["id"]: _claim(row, lease_owner) for row in rows}
+        return [claims[event_id] for event_id in dict.fromkeys(event_ids) if event_id in claims]
 
     @contextmanager
     def applying(self, claim: Claim) -> Iterator[psycopg.Connection]:
@@ -176,6 +184,25 @@ class WorkerLedger:
                     raise LeaseLost() from None
                 raise
 
+    @contextmanager
+    def applying_batch(self) -> Iterator["BatchApply"]:
+        """One transaction for several claims: each applied in a savepoint of its own
+        (``BatchApply.member``), one COMMIT for all of them when the body returns.
+
+        Pipelined like ``applying``. An exception out of the body (a member's error is
+        raised inside it, so only what the caller lets through) rolls the whole batch back;
+        so does a failed COMMIT, whose error is raised.
+        """
+        with self._pool.get().connection() as conn:
+            try:
+                with conn.pipeline() as pipeline:
+                    conn.execute("BEGIN")
+                    yield BatchApply(conn, pipeline)
+                    conn.execute("COMMIT")
+            except BaseException:
+                _rollback_quietly(conn)
+                raise
+
     def fail(self, claim: Claim, failure: FailureRecord) -> None:
         """Record a failed attempt; raises LeaseLost if the lease is no longer ours."""
         params = {"id": claim.event_id, "lease_owner": claim.lease_owner, "attempt": claim.attempt,
@@ -192,3 +219,73 @@ class WorkerLedger:
         """Mark up to ``batch`` overdue events as re-driven and return their ids."""
         rows = run_statement(self._pool, SQL.event_sweep_overdue_wakeups, {"overdue_s": overdue_s, "batch": batch})
         return [row["id"] for row in rows]
+
+
+def _claim(row: dict[str, Any], lease_owner: str) -> Claim:
+    return Claim(event_id=row["id"], type=row["type"], attempt=row["attempts"], lease_owner=lease_owner,
+                 payload=row["payload"], created=row["stripe_created"], livemode=row["livemode"],
+                 api_version=row["api_version"], account=row["account"], tries=row["tries"],
+                 rescued=row["rescued"])
+
+
+class BatchApply:
+    """The open transaction of a batch (``WorkerLedger.applying_batch``): one member at a time.
+
+    Each member is what ``applying`` is for one event, inside a savepoint: the fence,
+    the caller's business writes, the finish. It waits once, at its end, for every
+    answer of its statements, so whatever refused or failed is known to be this
+    member's before the next one starts, and only its savepoint is rolled back: the
+    members before it stay in the batch, the ones after it start from a clean
+    transaction. Locks a member took are held to the batch's COMMIT (so no one
+    re-claims a finished member before it commits); a member rolled back gives them up.
+    Two batches that take the same business locks in opposite orders deadlock: Postgres
+    breaks it by failing one member's statement, and that member alone fails
+    (recoverably, db_conflict) while both batches carry on.
+    """
+
+    _SAVEPOINT = "batch_member"
+
+    def __init__(self, conn: psycopg.Connection, pipeline: psycopg.Pipeline):
+        self._conn = conn
+        self._pipeline = pipeline
+        # A member that committed may have left SET LOCAL settings behind; the next starts without them.
+        self._settings_changed = False
+
+    @contextmanager
+    def member(self, claim: Claim) -> Iterator[psycopg.Connection]:
+        """Apply one claim in its savepoint: LeaseLost when the lease is not ours (the fence or the
+        finish refused; none of its writes stays), the body's or a statement's error as raised (its
+        savepoint rolled back), BatchLost when the transaction itself is gone."""
+        conn = self._conn
+        keys = {"id": claim.event_id, "lease_owner": claim.lease_owner, "attempt": claim.attempt}
+        try:
+            conn.execute(f"SAVEPOINT {self._SAVEPOINT}")
+            if self._settings_changed:
+                conn.execute("RESET ALL")
+            conn.execute(SQL.event_lock_if_lease_held, keys)
+            yield conn
+            conn.execute(SQL.event_finish_if_lease_held, keys)
+            conn.execute(f"RELEASE SAVEPOINT {self._SAVEPOINT}")
+            self._pipeline.sync()  # the member's one wait: every answer, or its first error
+        except BaseException as exc:
+            self._roll_back_member(exc)
+            if isinstance(exc, psycopg.Error) and exc.sqlstate == LEASE_NOT_HELD:
+                raise LeaseLost() from None
+            raise
+        self._settings_changed = True
+
+    def _roll_back_member(self, exc: BaseException) -> None:
+        conn = self._conn
+        try:
+            try:
+                # What the member sent and nobody waited for yet: its answers (an error among
+                # them is not the one to report: ``exc`` came first).
+                self._pipeline.sync()
+            except psycopg.Error:
+                if conn.broken:
+                    raise
+            conn.execute(f"ROLLBACK TO SAVEPOINT {self._SAVEPOINT}")
+            conn.execute(f"RELEASE SAVEPOINT {self._SAVEPOINT}")
+            self._pipeline.sync()
+        except psycopg.Error as lost:
+            raise BatchLost(f"the batch's transaction was lost: {type(lost).__name__}") from lost

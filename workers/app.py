@@ -17,6 +17,9 @@ from ledger.config import Settings
 
 PROCESS_EVENT_TASK = "workers.process_event"
 DISPATCH_EFFECT_TASK = "workers.dispatch_effect"
+# Event wake-ups a worker runs together at most (workers/batching.py): one claim and one
+# COMMIT for up to this many events; fewer whenever a pool process is idle.
+EVENT_BATCH_MAX = 32
 
 # Redis redelivers an unacked message after this; countdowns must stay well below it
 # or a scheduled retry runs twice (see MAX_COUNTDOWN_S).
@@ -83,7 +86,8 @@ def make_celery(settings: Settings, *, publisher_only: bool = False) -> Celery:
         task_acks_late=True,
         # A child killed by a signal or OOM requeues its message instead of acking it.
         task_reject_on_worker_lost=True,
-        # Hold one message at a time, so an idle worker on another host can take the next.
+        # Hold one message per pool process, so an idle worker on another host can take the next;
+        # event wake-ups held for a batch widen this window themselves (workers/batching.py).
         worker_prefetch_multiplier=1,
         # Messages are plain ids; never unpickle what a broker hands us.
         task_serializer="json",

@@ -10,7 +10,10 @@
 
 ``LeasedWork`` runs that path and holds the rules both sides follow; a subclass
 supplies what is its own (the hooks at the end: the work itself, the ledger it
-records in, its wake-ups, metrics and logs).
+records in, its wake-ups, metrics and logs). An attempt is its work between two
+halves, ``_refused`` before it and ``_conclude`` after it: a side that does the
+work of several claims together (a batch of events, EventProcessor.process_batch)
+runs the same two halves around it, for each claim on its own.
 """
 from __future__ import annotations
 
@@ -57,11 +60,23 @@ class LeasedWork(ABC):
         """``fields``: what every log line of this attempt carries."""
         try:
             # The first of: refused, retries exhausted, how the work failed (None: it finished).
-            failure = self._refusal(claim) or self._exhausted(claim) or self._work(claim)
-        except LeaseLost:
+            result: Failure | LeaseLost | None = self._refused(claim) or self._work(claim)
+        except LeaseLost as lost:
+            result = lost
+        return self._conclude(claim, result, fields)
+
+    def _refused(self, claim: AnyClaim) -> Failure | None:
+        """Why the attempt fails before any work: refused (``_refusal``), or retries exhausted."""
+        return self._refusal(claim) or self._exhausted(claim)
+
+    def _conclude(self, claim: AnyClaim, result: Failure | LeaseLost | None, fields: dict) -> StrEnum:
+        """End an attempt once its work is over: ``result`` is how it failed, LeaseLost, or None
+        (the work finished and committed). Records the failure and schedules its retry, or notes
+        the lost lease; then the side's metrics and log line."""
+        if isinstance(result, LeaseLost):
             return self._lease_lost(claim, fields)
-        if failure is not None:
-            return self._fail(claim, failure, fields)
+        if result is not None:
+            return self._fail(claim, result, fields)
         self._on_done(claim, fields)
         return self.outcome(self.finished)
 

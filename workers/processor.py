@@ -1,26 +1,38 @@
-"""One attempt at one event: claim, apply through the handlers, finish or fail.
+"""Attempts at events: claim, apply through the handlers, finish or fail; one event, or a batch.
 
 The path of an attempt (retries exhausted, fail, lease lost) is workers.attempt's,
 shared with effect delivery; what is the event's own is here: its handlers run
 inside ``WorkerLedger.applying`` (the fence, their writes and the finish commit
 together), effects they recorded are woken after COMMIT, and its metrics.
 
-The Celery task is a thin shell around ``EventProcessor.process``; this module
-knows nothing about Celery, so tests and ``ledgerctl`` can drive it directly.
+``process_batch`` makes the same attempts at several events for the price of one
+claim and one COMMIT: one compare-and-set claims every id it can, one transaction
+applies each claimed event in a savepoint of its own (``WorkerLedger.applying_batch``:
+fenced and finished per event, a failing one rolled back alone), and after the
+COMMIT each attempt is concluded on its own by workers.attempt's rules, its failure
+recorded and its wake-ups sent.
+
+The Celery task is a thin shell around ``process`` and ``process_batch``
+(workers/tasks.py, workers/batching.py); this module knows nothing about Celery,
+so tests and ``ledgerctl`` can drive it directly.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Sequence
+
+import psycopg
 
 from ledger.config import Settings
 from ledger.errors import LeaseLost
 from ledger.states import EventStatus
-from ledger.store import Claim, FailureRecord, WorkerLedger
+from ledger.store import BatchApply, BatchLost, Claim, FailureRecord, WorkerLedger
 from workers import metrics
 from workers.attempt import LeasedWork, outcomes
 from workers.failures import Failure, Kind, classify
@@ -60,16 +72,92 @@ class EventProcessor(LeasedWork):
     def process(self, event_id: str) -> Outcome:
         claim = self.ledger.claim(event_id, worker=self.worker_name, lease_s=self.lease_s)
         if claim is None:
-            log.info("not claimed", extra={"event_id": event_id, "outcome": Outcome.NOT_CLAIMED.value})
-            return Outcome.NOT_CLAIMED
-        fields = {"event_id": claim.event_id, "type": claim.type, "attempt": claim.attempt}
+            return self._not_claimed(event_id)
         if claim.rescued:
             metrics.LEASE_RESCUES.inc()
         started = time.perf_counter()
         try:
-            return self._attempt(claim, fields)
+            return self._attempt(claim, _fields(claim))
         finally:
             metrics.ATTEMPT_SECONDS.labels(claim.type).observe(time.perf_counter() - started)
+
+    def process_batch(self, event_ids: Sequence[str]) -> list[Outcome]:
+        """One attempt per event id, made together (see the module's docstring); their outcomes in
+        the order of ``event_ids``. A repeated id is NOT_CLAIMED: its first copy is the attempt."""
+        unique = list(dict.fromkeys(event_ids))
+        claims = self.ledger.claim_batch(unique, worker=self.worker_name, lease_s=self.lease_s) if unique else []
+        started = time.perf_counter()
+        results = self._apply_batch(claims)
+        outcomes = {}
+        for claim in claims:
+            try:
+                outcomes[claim.event_id] = self._conclude(claim, results[claim.event_id], _fields(claim))
+            finally:
+                metrics.ATTEMPT_SECONDS.labels(claim.type).observe(time.perf_counter() - started)
+        seen: set[str] = set()
+        answers = []
+        for event_id in event_ids:
+            first = event_id not in seen
+            seen.add(event_id)
+            answers.append(outcomes[event_id] if first and event_id in outcomes else self._not_claimed(event_id))
+        return answers
+
+    def _apply_batch(self, claims: list[Claim]) -> dict[str, Failure | LeaseLost | None]:
+        """The work of a batch: every claim's result (as ``_conclude`` takes it) once the batch's
+        transaction has ended; the wake-ups of the effects it committed are sent."""
+        results: dict[str, Failure | LeaseLost | None] = {}
+        to_apply = []
+        for claim in claims:
+            if claim.rescued:
+                metrics.LEASE_RESCUES.inc()
+            refused = self._refused(claim)
+            if refused is not None:
+                results[claim.event_id] = refused
+            else:
+                to_apply.append(claim)
+        if not to_apply:
+            return results
+        applied: list[ApplyContext] = []
+        try:
+            with self.ledger.applying_batch() as batch:
+                out_of_time: Failure | None = None
+                for claim in to_apply:
+                    if out_of_time is not None:
+                        results[claim.event_id] = out_of_time
+                        continue
+                    result = self._apply_member(batch, claim)
+                    if isinstance(result, ApplyContext):
+                        applied.append(result)
+                        continue
+                    results[claim.event_id] = result
+                    if isinstance(result, Failure) and result.reason == "time_limit":
+                        # The task's soft time limit: the members not reached yet are not attempted.
+                        out_of_time = dataclasses.replace(
+                            result, message="the batch reached its time limit before this event was applied")
+        except Exception as exc:  # the transaction as a whole (COMMIT, the connection): nothing of it committed
+            failure = _batch_failure(exc)
+            for claim in to_apply:
+                results.setdefault(claim.event_id, failure)
+            return results
+        for context in applied:
+            results[context.event_id] = None
+            self._wake_effects(context)
+        return results
+
+    def _apply_member(self, batch: BatchApply, claim: Claim) -> ApplyContext | Failure | LeaseLost:
+        try:
+            with batch.member(claim) as conn:
+                return self._run_handlers(conn, claim)
+        except BatchLost:
+            raise  # the batch's, not this member's: _apply_batch fails every member with it
+        except LeaseLost as lost:
+            return lost
+        except Exception as exc:  # classified right here, where it is caught
+            return classify(exc)
+
+    def _not_claimed(self, event_id: str) -> Outcome:
+        log.info("not claimed", extra={"event_id": event_id, "outcome": Outcome.NOT_CLAIMED.value})
+        return Outcome.NOT_CLAIMED
 
     def _refusal(self, claim: Claim) -> Failure | None:
         if not self.registry.resolve(claim.type):
@@ -79,24 +167,30 @@ class EventProcessor(LeasedWork):
         return None
 
     def _work(self, claim: Claim) -> Failure | None:
-        handlers = self.registry.resolve(claim.type)
         try:
             with self.ledger.applying(claim) as conn:
-                context = ApplyContext(conn=conn, event_id=claim.event_id, event_type=claim.type,
-                                       created=claim.created, livemode=claim.livemode, account=claim.account,
-                                       event=claim.payload, attempt=claim.attempt,
-                                       enabled_effects=self.enabled_effects)
-                for handle in handlers:
-                    handle(context)
+                context = self._run_handlers(conn, claim)
         except LeaseLost:
             raise
         except Exception as exc:  # classified right here, where it is caught
             return classify(exc)
+        self._wake_effects(context)
+        return None
+
+    def _run_handlers(self, conn: psycopg.Connection, claim: Claim) -> ApplyContext:
+        """Every handler of the event's type, in order, on the apply transaction's connection."""
+        context = ApplyContext(conn=conn, event_id=claim.event_id, event_type=claim.type, created=claim.created,
+                               livemode=claim.livemode, account=claim.account, event=claim.payload,
+                               attempt=claim.attempt, enabled_effects=self.enabled_effects)
+        for handle in self.registry.resolve(claim.type):
+            handle(context)
+        return context
+
+    def _wake_effects(self, context: ApplyContext) -> None:
         if self.waker is not None:
             # After COMMIT: the effects exist; a lost wake-up is re-driven by the sweep.
             for outbox_id in context.emitted:
                 self.waker.wake_effect(outbox_id)
-        return None
 
     def _record_failure(self, claim: Claim, record: FailureRecord) -> None:
         self.ledger.fail(claim, record)
@@ -119,3 +213,17 @@ class EventProcessor(LeasedWork):
         self.ledger.mark_lease_lost(claim, "lease expired and was taken over; this attempt rolled back")
         metrics.ATTEMPTS.labels(claim.type, Outcome.LEASE_LOST.value, "lease_lost").inc()
         log.warning("lease lost; attempt rolled back", extra={**fields, "outcome": Outcome.LEASE_LOST.value})
+
+
+def _fields(claim: Claim) -> dict:
+    """What every log line of an attempt carries."""
+    return {"event_id": claim.event_id, "type": claim.type, "attempt": claim.attempt}
+
+
+def _batch_failure(exc: Exception) -> Failure:
+    """How the batch's transaction failed, as the failure of every member it took with it:
+    recoverable whatever its class, because it is no member's own (a lost connection, a
+    deferred constraint checked at COMMIT). The retry's wake-up carries a countdown, which
+    runs alone (workers/batching.py): there a member that is at fault fails on its own."""
+    cause = exc.__cause__ if isinstance(exc, BatchLost) and exc.__cause__ is not None else exc
+    return dataclasses.replace(classify(cause), kind=Kind.RECOVERABLE)

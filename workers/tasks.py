@@ -4,26 +4,46 @@
 so this module needs nothing from the app's module. The runtime opens its
 Postgres pool lazily in whichever process first uses it (see
 ledger.db.ProcessPool), so prefork children never share the parent's.
+
+``workers.process_event`` carries one event id per message. The worker runs the
+ones it holds in batches (workers/batching.py: ``run_batch`` below, one
+``EventProcessor.process_batch``); a wake-up with a countdown, or a call outside
+a worker, runs ``process_event`` itself, one event.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from celery import Celery
 
-from workers.app import DISPATCH_EFFECT_TASK, PROCESS_EVENT_TASK
+from workers import batching
+from workers.app import DISPATCH_EFFECT_TASK, EVENT_BATCH_MAX, PROCESS_EVENT_TASK
 from workers.runtime import Runtime
+
+IGNORED = "ignored"
+
+
+def _is_event_id(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith("evt_")
 
 
 def register_tasks(app: Celery, runtime: Runtime) -> None:
-    @app.task(name=PROCESS_EVENT_TASK, ignore_result=True)
+    def process_events(event_ids: list) -> list[str]:
+        """A batch of wake-ups: one outcome per message, in order (a malformed one is ignored)."""
+        outcomes = iter(runtime.processor.process_batch([i for i in event_ids if _is_event_id(i)]))
+        return [next(outcomes).value if _is_event_id(i) else IGNORED for i in event_ids]
+
+    @app.task(name=PROCESS_EVENT_TASK, ignore_result=True, Strategy=batching.STRATEGY,
+              batch_max=EVENT_BATCH_MAX, run_batch=staticmethod(process_events))
     def process_event(event_id: str) -> str:
         """The message is a pointer; the row in Postgres is the truth."""
-        if not isinstance(event_id, str) or not event_id.startswith("evt_"):
-            return "ignored"
+        if not _is_event_id(event_id):
+            return IGNORED
         return runtime.processor.process(event_id).value
 
     @app.task(name=DISPATCH_EFFECT_TASK, ignore_result=True)
     def dispatch_effect(outbox_id: int) -> str:
         """Deliver one recorded effect; the row in ledger.outbox is the truth."""
         if not isinstance(outbox_id, int) or isinstance(outbox_id, bool):
-            return "ignored"
+            return IGNORED
         return runtime.dispatcher.dispatch(outbox_id).value

@@ -80,6 +80,48 @@ WITH claimed AS (
 )
 SELECT claimed.*, EXISTS (SELECT 1 FROM closed) AS rescued FROM claimed
 
+-- name: event_claim_batch
+-- Worker, for the wake-ups it holds: event_claim's transition (received |
+-- failed_recoverable (due) | processing (lease expired) -> processing) for every
+-- claimable id of the batch in one statement, under one lease owner for the batch.
+-- One owner is enough: each event's fence, finish and fail still check it per id,
+-- so a take-over of one member (a new owner on that row) fences that member alone.
+-- A row another transaction holds locked is skipped, not waited for: its holder
+-- (a worker applying it, a claim, the sweep, a redelivery making it due) finishes
+-- it or sends the next wake-up, and the sweep re-drives whatever is left; so a
+-- batch never waits on another worker's apply. Closes each dead worker's attempt
+-- as lease_expired and opens this one's, as event_claim does.
+WITH claimable AS (
+    SELECT id
+      FROM ledger.events
+     WHERE id = ANY(%(ids)s)
+       AND (status = 'received'
+            OR (status = 'failed_recoverable' AND next_attempt_at <= now())
+            OR (status = 'processing' AND lease_expires_at < now()))
+       FOR NO KEY UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE ledger.events
+       SET status           = 'processing',
+           lease_owner      = %(lease_owner)s,
+           lease_expires_at = now() + make_interval(secs => %(lease_s)s),
+           attempts         = attempts + 1,
+           redrives         = 0,
+           updated_at       = now()
+     WHERE id IN (SELECT id FROM claimable)
+ RETURNING id, type, attempts, attempts - attempt_base AS tries, payload, stripe_created,
+           livemode, api_version, account
+), closed AS (
+    UPDATE ledger.attempts
+       SET outcome = 'lease_expired', finished_at = now(),
+           error_class = 'LeaseExpired', error = 'worker stopped before finishing; lease expired'
+     WHERE event_id IN (SELECT id FROM claimed) AND outcome = 'running'
+ RETURNING event_id
+), opened AS (
+    INSERT INTO ledger.attempts (event_id, attempt, worker, lease_owner)
+    SELECT id, attempts, %(worker)s, %(lease_owner)s FROM claimed
+)
+SELECT claimed.*, claimed.id IN (SELECT event_id FROM closed) AS rescued FROM claimed
+
 -- name: event_lock_if_lease_held
 -- Worker, first statement of the apply transaction: the fence. Locks the row
 -- (NO KEY UPDATE, so the receiver's delivery inserts never wait on it) and
@@ -87,6 +129,8 @@ SELECT claimed.*, EXISTS (SELECT 1 FROM closed) AS rescued FROM claimed
 -- can re-claim while we apply. A worker whose lease expired and was re-claimed
 -- gets LL001 (ledger.lease_not_held): the pipelined statements behind it are
 -- skipped, none of its business writes runs, and it reports LeaseLost.
+-- In a batch (WorkerLedger.applying_batch) it opens each event's savepoint, and
+-- the refusal rolls back that savepoint alone.
 SELECT coalesce((SELECT id
                    FROM ledger.events
                   WHERE id = %(id)s AND status = 'processing' AND lease_owner = %(lease_owner)s

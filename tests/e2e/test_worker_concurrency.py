@@ -15,7 +15,8 @@ from workers.wakeup import Waker
 
 
 def _task_results(workers) -> Counter:
-    """What each handled wake-up returned, from the workers' JSON logs."""
+    """What each handled wake-up came to, from the workers' JSON logs: the processor logs one line with
+    its outcome per wake-up, whether the worker ran it alone or in a batch (workers/batching.py)."""
     results = Counter()
     for worker in workers:
         for line in worker.log().splitlines():
@@ -23,8 +24,8 @@ def _task_results(workers) -> Counter:
                 record = json.loads(line)
             except ValueError:
                 continue
-            if record.get("name") == "celery.app.trace" and "succeeded" in record.get("message", ""):
-                results[record["data"]["return_value"].strip("'")] += 1
+            if record.get("name") == "workers.processor" and "outcome" in record:
+                results[record["outcome"]] += 1
     return results
 
 

@@ -9,7 +9,8 @@ and ``OperatorLedger.replay``. Events are of type ``model.effect``
 fault was armed for the event.
 
 Rules: deliver (new or redelivery; the wake-up may be lost), deliver the same id
-from two threads at once, a stray wake-up, arm a recoverable / permanent fault for
+from two threads at once, a stray wake-up, a batch of wake-ups run together
+(``process_batch``, copies of one id among them), arm a recoverable / permanent fault for
 the next attempt, stall a worker after its claim (it may resume later, possibly
 after another worker took the event over), kill a worker in the middle of its
 apply transaction,
@@ -289,6 +290,16 @@ class LedgerMachine(RuleBasedStateMachine):
         """A wake-up arrives whatever the event's state (a duplicate or late broker message)."""
         self._process(self.env.processors[1], self.ids[n])
 
+    @rule(ns=st.lists(st.integers(0, N_IDS - 1), min_size=1, max_size=6))
+    def batch_of_wakeups(self, ns):
+        """Wake-ups a worker holds, run as one batch whatever the events' states: each id's first copy
+        is an attempt like a lone wake-up's, its other copies are not claimed."""
+        ids = [self.ids[n] for n in ns]
+        expected = [Outcome.NOT_CLAIMED if eid in ids[:k] else self._expect_attempt(eid)
+                    for k, eid in enumerate(ids)]
+        got = self.env.processors[0].process_batch(ids)
+        assert got == expected, f"{ids}: the batch gave {got}, the model expects {expected}"
+
     @rule(n=st.integers(0, N_IDS - 1), kind=st.sampled_from(["transient", "permanent"]))
     def fail_next_attempt(self, n, kind):
         eid = self.ids[n]
@@ -452,6 +463,12 @@ SCENARIOS = {
         ("kill_worker_mid_apply", dict(n=3)), ("kill_worker_mid_apply", dict(n=3)), ("time_passes", {}),
         ("kill_worker_mid_apply", dict(n=3)), ("time_passes", {}), ("sweep", {}),
         ("replay", dict(n=3)), ("deliver_concurrently", dict(n=3)), ("sweep", {})],
+    "a batch with a copy, a fault, a stalled worker's expired lease and a done event": [
+        ("deliver", dict(n=0, wake=True)), ("deliver", dict(n=1, wake=False)),
+        ("fail_next_attempt", dict(n=1, kind="transient")), ("deliver", dict(n=2, wake=False)),
+        ("stall_worker", dict(n=2)), ("expire_lease", dict(n=2)), ("deliver", dict(n=3, wake=False)),
+        ("batch_of_wakeups", dict(ns=[3, 1, 0, 2, 3])), ("resume_stalled_worker", dict(k=0)),
+        ("time_passes", {}), ("batch_of_wakeups", dict(ns=[1, 1]))],
     "two copies at once, new and after a recoverable failure": [
         ("deliver_concurrently", dict(n=0)), ("fail_next_attempt", dict(n=1, kind="transient")),
         ("deliver_concurrently", dict(n=1)), ("deliver_concurrently", dict(n=1)), ("deliver_concurrently", dict(n=0))],
