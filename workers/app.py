@@ -33,12 +33,14 @@ def effects_queue(queue: str) -> str:
     return f"{queue}.effects"
 
 
-class _PublisherRedisChannel(kombu.transport.redis.Channel):
+class _SharedClientRedisChannel(kombu.transport.redis.Channel):
     """kombu's Redis channel, sending its commands through one redis-py client instead of a new one each.
 
     kombu builds a redis.Redis on the channel's connection pool for every command it sends outside a
-    poll, so every wake-up paid for building one (about 130 µs: its response-callback table). A client
-    holds nothing but its pool and is thread-safe: one per channel, per pool, is the same thing.
+    poll: every wake-up published, and on a worker every late ack (HDEL and ZREM of the unacked
+    message), paid for building one (about 130 µs: its response-callback table). A client holds
+    nothing but its pool and is thread-safe: one per channel, per pool, is the same thing. The
+    worker's blocking poll (BRPOP) keeps its own client, as kombu has it.
     """
 
     _shared = None  # (the pool it was built on, the client)
@@ -54,17 +56,17 @@ class _PublisherRedisChannel(kombu.transport.redis.Channel):
         yield self._shared[1]
 
 
-class PublisherRedisTransport(kombu.transport.redis.Transport):
-    """kombu's Redis transport with the publisher's channel (above); messages are kombu's, unchanged."""
+class SharedClientRedisTransport(kombu.transport.redis.Transport):
+    """kombu's Redis transport with the channel above; messages are kombu's, unchanged."""
 
-    Channel = _PublisherRedisChannel
+    Channel = _SharedClientRedisChannel
 
 
 def make_celery(settings: Settings, *, publisher_only: bool = False) -> Celery:
     app = Celery("workers", broker=settings.broker_url, set_as_current=not publisher_only)
-    if publisher_only and urlparse(settings.broker_url).scheme == "redis":
+    if urlparse(settings.broker_url).scheme == "redis":
         # Only plain redis:// (not rediss://, sentinel://...): the others keep kombu's own transport.
-        app.conf.broker_transport = PublisherRedisTransport
+        app.conf.broker_transport = SharedClientRedisTransport
     transport_options = {
         "visibility_timeout": VISIBILITY_TIMEOUT_S,
         "socket_connect_timeout": settings.broker_timeout_s,

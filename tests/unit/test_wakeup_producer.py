@@ -16,7 +16,7 @@ import kombu.transport.redis
 import pytest
 
 from ledger.config import Settings
-from workers.app import DISPATCH_EFFECT_TASK, PROCESS_EVENT_TASK, PublisherRedisTransport, effects_queue, make_celery
+from workers.app import DISPATCH_EFFECT_TASK, PROCESS_EVENT_TASK, SharedClientRedisTransport, effects_queue, make_celery
 from workers.wakeup import Waker
 
 QUEUE = "stripe-events-under-test"
@@ -60,15 +60,18 @@ def _args(message: dict) -> list:
     return json.loads(base64.b64decode(message["body"]))[0]
 
 
-def test_the_publisher_app_uses_the_publisher_redis_transport_and_a_worker_app_kombus_own(clients_built):
+def test_plain_redis_apps_use_the_shared_client_transport_and_other_schemes_kombus_own(clients_built):
     settings = Settings(broker_url="redis://fake-broker:6379/0", queue_name=QUEUE)
     publisher, worker = make_celery(settings, publisher_only=True), make_celery(settings)
+    tls = make_celery(Settings(broker_url="rediss://fake-broker:6380/0", queue_name=QUEUE))
     try:
-        assert publisher.connection_for_write().transport_cls is PublisherRedisTransport
-        assert worker.connection_for_write().transport_cls == "redis"
+        assert publisher.connection_for_write().transport_cls is SharedClientRedisTransport
+        assert worker.connection_for_write().transport_cls is SharedClientRedisTransport
+        assert tls.connection_for_write().transport_cls == "rediss"
     finally:
         publisher.close()
         worker.close()
+        tls.close()
 
 
 def test_an_effect_wakeup_goes_to_the_effects_queue_and_an_event_wakeup_to_the_event_queue(waker, fake_server):
