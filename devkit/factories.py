@@ -4,6 +4,10 @@ Events are built the way Stripe sends them (envelope + object snapshot), with
 consistent ids and increasing ``created`` times, in either the pre-basil shape
 (periods on the subscription, ``invoice.subscription``) or the basil shape
 (periods on items, ``invoice.parent.subscription_details``).
+
+Bare objects (``customer``, ``product``, ``price``, ``payment_method``, ``payment_intent``,
+``charge``, ``refund``, ``dispute``) are what the Stripe API lists and retrieves, for the fake
+Stripe API (devkit.stripe_api) and as ``data.object`` of events.
 """
 from __future__ import annotations
 
@@ -119,6 +123,93 @@ class SubscriptionHistory:
         self.add("customer.subscription.deleted", self._subscription("canceled", renewal, canceled_at=end,
                                                                      ended_at=end))
         return self
+
+
+# -- bare objects, as the API lists and retrieves them (the shapes of Stripe's own examples, trimmed) --
+
+def customer(*, created: int, customer_id: str | None = None, email: str | None = None, livemode: bool = False,
+             metadata: dict | None = None) -> dict[str, Any]:
+    customer_id = customer_id or new_id("cus")
+    return {"id": customer_id, "object": "customer", "created": created,
+            "email": email or f"{customer_id}@example.test", "name": None, "currency": "usd", "balance": 0,
+            "delinquent": False, "livemode": livemode, "metadata": metadata or {},
+            "invoice_settings": {"default_payment_method": None}}
+
+
+def product(*, created: int, product_id: str | None = None, name: str = "Plan", active: bool = True,
+            default_price: str | None = None, livemode: bool = False, metadata: dict | None = None) -> dict[str, Any]:
+    return {"id": product_id or new_id("prod"), "object": "product", "created": created, "updated": created,
+            "active": active, "name": name, "description": None, "default_price": default_price, "images": [],
+            "marketing_features": [], "livemode": livemode, "metadata": metadata or {}, "shippable": None,
+            "type": "service", "url": None}
+
+
+def price(*, created: int, product: str, price_id: str | None = None, unit_amount: int = 1500, currency: str = "usd",
+          interval: str | None = "month", lookup_key: str | None = None, active: bool = True, livemode: bool = False,
+          metadata: dict | None = None) -> dict[str, Any]:
+    """A recurring price (``interval`` month, year, ...) or, with ``interval=None``, a one-time price."""
+    recurring = {"interval": interval, "interval_count": 1, "meter": None, "usage_type": "licensed",
+                 "trial_period_days": None} if interval else None
+    return {"id": price_id or new_id("price"), "object": "price", "created": created, "active": active,
+            "billing_scheme": "per_unit", "currency": currency, "livemode": livemode, "lookup_key": lookup_key,
+            "metadata": metadata or {}, "nickname": None, "product": product, "recurring": recurring,
+            "tax_behavior": "unspecified", "type": "recurring" if interval else "one_time",
+            "unit_amount": unit_amount, "unit_amount_decimal": str(unit_amount)}
+
+
+def payment_method(*, created: int, customer: str | None = None, payment_method_id: str | None = None,
+                   brand: str = "visa", last4: str = "4242", livemode: bool = False) -> dict[str, Any]:
+    return {"id": payment_method_id or new_id("pm"), "object": "payment_method", "created": created,
+            "customer": customer, "type": "card", "livemode": livemode, "metadata": {},
+            "billing_details": {"address": None, "email": None, "name": None, "phone": None},
+            "card": {"brand": brand, "last4": last4, "exp_month": 12, "exp_year": 2034, "funding": "credit",
+                     "country": "US"}}
+
+
+def payment_intent(*, created: int, amount: int = 1500, currency: str = "usd", customer: str | None = None,
+                   status: str = "succeeded", latest_charge: str | None = None, payment_method: str | None = None,
+                   payment_intent_id: str | None = None, livemode: bool = False,
+                   metadata: dict | None = None) -> dict[str, Any]:
+    received = amount if status == "succeeded" else 0
+    return {"id": payment_intent_id or new_id("pi"), "object": "payment_intent", "created": created,
+            "amount": amount, "amount_capturable": 0, "amount_received": received, "currency": currency,
+            "customer": customer, "status": status, "latest_charge": latest_charge, "payment_method": payment_method,
+            "payment_method_types": ["card"], "capture_method": "automatic", "canceled_at": None,
+            "cancellation_reason": None, "last_payment_error": None, "livemode": livemode,
+            "metadata": metadata or {}}
+
+
+def charge(*, created: int, amount: int = 1500, currency: str = "usd", customer: str | None = None,
+           payment_intent: str | None = None, payment_method: str | None = None, status: str = "succeeded",
+           amount_refunded: int = 0, disputed: bool = False, charge_id: str | None = None, livemode: bool = False,
+           metadata: dict | None = None) -> dict[str, Any]:
+    succeeded = status == "succeeded"
+    return {"id": charge_id or new_id("ch"), "object": "charge", "created": created, "amount": amount,
+            "amount_captured": amount if succeeded else 0, "amount_refunded": amount_refunded,
+            "captured": succeeded, "currency": currency, "customer": customer, "disputed": disputed,
+            "failure_code": None if succeeded or status == "pending" else "card_declined",
+            "livemode": livemode, "metadata": metadata or {}, "paid": succeeded, "payment_intent": payment_intent,
+            "payment_method": payment_method, "refunded": amount_refunded >= amount, "status": status,
+            "balance_transaction": new_id("txn") if succeeded else None}
+
+
+def refund(*, created: int, charge: str, amount: int, currency: str = "usd", payment_intent: str | None = None,
+           status: str = "succeeded", reason: str | None = None, refund_id: str | None = None,
+           metadata: dict | None = None) -> dict[str, Any]:
+    return {"id": refund_id or new_id("re"), "object": "refund", "created": created, "amount": amount,
+            "charge": charge, "currency": currency, "payment_intent": payment_intent, "reason": reason,
+            "status": status, "metadata": metadata or {}, "balance_transaction": None}
+
+
+def dispute(*, created: int, charge: str, amount: int, currency: str = "usd", payment_intent: str | None = None,
+            status: str = "needs_response", reason: str = "general", dispute_id: str | None = None,
+            livemode: bool = False, metadata: dict | None = None) -> dict[str, Any]:
+    return {"id": dispute_id or new_id("dp"), "object": "dispute", "created": created, "amount": amount,
+            "charge": charge, "currency": currency, "payment_intent": payment_intent, "reason": reason,
+            "status": status, "is_charge_refundable": False, "balance_transactions": [],
+            "evidence_details": {"due_by": created + 7 * 86400, "has_evidence": False, "past_due": False,
+                                 "submission_count": 0},
+            "livemode": livemode, "metadata": metadata or {}}
 
 
 def incoming(evt: dict[str, Any]):

@@ -1,13 +1,18 @@
-"""POST /webhooks/stripe: verify, record durably, wake a worker, answer.
+"""POST /webhooks/stripe and /webhooks/stripe/connect: verify, record durably, wake a worker, answer.
 
 The answer is 2xx only after the row is committed; nothing here does business work.
+Each endpoint verifies with its own secrets only: the platform's endpoint with
+STRIPE_WEBHOOK_SECRET, the Connect endpoint (connected accounts' events, each naming
+its ``account``) with STRIPE_CONNECT_WEBHOOK_SECRET, so a secret leaked from one
+cannot sign for the other. An event of a mode the deployment does not accept
+(LEDGER_ACCEPT_LIVEMODE) is answered 400 and not recorded.
 """
 from __future__ import annotations
 
 import logging
 import time
 
-from flask import Blueprint, current_app, jsonify, request
+from flask import Blueprint, abort, current_app, jsonify, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from ingest import metrics
@@ -76,19 +81,42 @@ def _read_body(max_bytes: int) -> bytes | None:
 
 @bp.post("/webhooks/stripe")
 def receive_stripe_event():
-    started = time.perf_counter()
+    """The platform account's endpoint."""
     ext = current_app.extensions["ledger"]
+    return _receive(ext, ext.secrets, connect=False)
+
+
+@bp.post("/webhooks/stripe/connect")
+def receive_connect_event():
+    """The Connect endpoint: 404 while STRIPE_CONNECT_WEBHOOK_SECRET is unset, as if it did not exist."""
+    ext = current_app.extensions["ledger"]
+    if not ext.connect_secrets:
+        abort(404)
+    return _receive(ext, ext.connect_secrets, connect=True)
+
+
+def _receive(ext, secrets: tuple[str, ...], *, connect: bool):
+    started = time.perf_counter()
     body = _read_body(ext.settings.max_body_bytes)  # past max_body_bytes this raises 413
     if body is None:
         return _answer(400, "incomplete_body", started,
                        error="the request body could not be read whole: it ended early or its framing is invalid")
     try:
-        verify(body, request.headers.get("Stripe-Signature"), ext.secrets, ext.settings.signature_tolerance_s)
+        verify(body, request.headers.get("Stripe-Signature"), secrets, ext.settings.signature_tolerance_s)
         event = parse_event(body)
+        if connect and event.account is None:
+            # Applied without it, a connected account's objects would land among the platform's.
+            raise InvalidEvent("'account' is required at the Connect endpoint: it names the connected account")
     except InvalidSignature as exc:
         return _answer(400, "invalid_signature", started, error=str(exc))
     except InvalidEvent as exc:
         return _answer(400, "invalid_event", started, error=str(exc))
+    if not ext.settings.accepts_livemode(event.livemode):
+        log.info("event of a mode this deployment does not accept; answering 400, nothing recorded",
+                 extra={"event_id": event.id, "type": event.type, "livemode": event.livemode})
+        return _answer(400, "livemode_not_accepted", started, event_id=event.id,
+                       error=f"this deployment accepts {ext.settings.accept_livemode} mode events only "
+                             "(LEDGER_ACCEPT_LIVEMODE); nothing was recorded")
 
     try:
         delivery = ext.store.record_delivery(event)

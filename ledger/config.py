@@ -15,6 +15,7 @@ from ledger.errors import ConfigError
 
 _DATABASE_SCHEMES = {"postgresql", "postgres"}
 _BROKER_SCHEMES = {"redis", "rediss", "amqp", "amqps", "pyamqp", "memory"}
+ACCEPT_LIVEMODE = ("live", "test", "both")
 
 
 @dataclass(frozen=True)
@@ -22,9 +23,16 @@ class Settings:
     database_url: str = "postgresql:///ledger"
     broker_url: str = "redis://localhost:6379/0"
     # Several secrets may be valid at once so a secret can be rolled without downtime.
+    # Each endpoint verifies with its own list only: /webhooks/stripe with webhook_secrets,
+    # /webhooks/stripe/connect (answered 404 while its list is empty) with connect_webhook_secrets.
     webhook_secrets: tuple[str, ...] = ()
+    connect_webhook_secrets: tuple[str, ...] = ()
+    # Events of the other mode are refused by the receiver (400 livemode_not_accepted).
+    accept_livemode: str = "both"
     stripe_api_key: str | None = field(default=None, repr=False)
-    stripe_api_base: str | None = None
+    stripe_api_base: str = "https://api.stripe.com"
+    # Periodic catch-up in the sweep loop, every this many seconds; 0 = off.
+    catchup_interval_s: float = 0.0
     signature_tolerance_s: int = 300
     max_body_bytes: int = 1024 * 1024
     # Receiver: how long a request may wait for a pooled connection / the INSERT.
@@ -59,6 +67,15 @@ class Settings:
     handler_modules: tuple[str, ...] = ()
     entitlements_map_path: str | None = None
 
+    def __post_init__(self):
+        if self.accept_livemode not in ACCEPT_LIVEMODE:
+            raise ConfigError(f"LEDGER_ACCEPT_LIVEMODE must be one of {'|'.join(ACCEPT_LIVEMODE)}, "
+                              f"got {self.accept_livemode!r}")
+
+    def accepts_livemode(self, livemode: bool) -> bool:
+        """Whether this deployment keeps events of this mode (LEDGER_ACCEPT_LIVEMODE)."""
+        return self.accept_livemode == "both" or self.accept_livemode == ("live" if livemode else "test")
+
     def require_webhook_secrets(self) -> tuple[str, ...]:
         if not self.webhook_secrets:
             raise ConfigError("STRIPE_WEBHOOK_SECRET is not set: the receiver cannot verify signatures")
@@ -71,9 +88,12 @@ class Settings:
         return cls(
             database_url=_url(env, "DATABASE_URL", defaults.database_url, _DATABASE_SCHEMES),
             broker_url=_url(env, "CELERY_BROKER_URL", defaults.broker_url, _BROKER_SCHEMES),
-            webhook_secrets=_secrets(env.get("STRIPE_WEBHOOK_SECRET", "")),
+            webhook_secrets=_secrets(env, "STRIPE_WEBHOOK_SECRET"),
+            connect_webhook_secrets=_secrets(env, "STRIPE_CONNECT_WEBHOOK_SECRET"),
+            accept_livemode=_choice(env, "LEDGER_ACCEPT_LIVEMODE", defaults.accept_livemode, ACCEPT_LIVEMODE),
             stripe_api_key=env.get("STRIPE_API_KEY") or None,
-            stripe_api_base=_optional_http_url(env, "STRIPE_API_BASE"),
+            stripe_api_base=_optional_http_url(env, "STRIPE_API_BASE") or defaults.stripe_api_base,
+            catchup_interval_s=_number(env, "LEDGER_CATCHUP_INTERVAL_S", defaults.catchup_interval_s, float, minimum=0),
             signature_tolerance_s=_number(env, "STRIPE_SIGNATURE_TOLERANCE_S", defaults.signature_tolerance_s, int, minimum=1),
             max_body_bytes=_number(env, "INGEST_MAX_BODY_BYTES", defaults.max_body_bytes, int, minimum=1024),
             db_pool_timeout_s=_number(env, "DB_POOL_TIMEOUT_S", defaults.db_pool_timeout_s, float, minimum=0.1),
@@ -129,13 +149,22 @@ def _outbox_secret(env: Mapping[str, str]) -> str | None:
     return secret
 
 
-def _secrets(raw: str) -> tuple[str, ...]:
-    secrets = tuple(s.strip() for s in raw.split(",") if s.strip())
+def _secrets(env: Mapping[str, str], name: str) -> tuple[str, ...]:
+    secrets = tuple(s.strip() for s in env.get(name, "").split(",") if s.strip())
     for index, secret in enumerate(secrets, start=1):
         if not secret.startswith("whsec_") or len(secret) < 10:
             # Never echo the value: it is a secret.
-            raise ConfigError(f"STRIPE_WEBHOOK_SECRET entry {index} is malformed: each entry must start with 'whsec_'")
+            raise ConfigError(f"{name} entry {index} is malformed: each entry must start with 'whsec_'")
     return secrets
+
+
+def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw not in choices:
+        raise ConfigError(f"{name} must be one of {'|'.join(choices)}, got {raw!r}")
+    return raw
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:

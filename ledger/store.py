@@ -35,6 +35,8 @@ class IncomingEvent:
     api_version: str | None
     account: str | None
     payload: str  # the verified body, exactly as sent
+    # Who delivered it: Stripe's webhook, or a catch-up that listed it from the API.
+    source: str = "webhook"
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class EventStore:
         """Durably record a delivery (autocommit: committed when this returns)."""
         params = {"id": event.id, "type": event.type, "created": event.created,
                   "livemode": event.livemode, "api_version": event.api_version,
-                  "account": event.account, "payload": event.payload}
+                  "account": event.account, "payload": event.payload, "source": event.source}
         row = (self._rows(SQL.event_record_delivery, params) or self._rows(SQL.event_delivery_status, params))[0]
         status = EventStatus(row["status"])
         if status is EventStatus.FAILED_RECOVERABLE:

@@ -29,6 +29,13 @@ OUTBOX_SENT = Counter("outbox_sent_total", "Effects delivered", ["effect"])
 OUTBOX_RETRIES = Counter("outbox_retries_total", "Effect deliveries that failed recoverably and were rescheduled",
                          ["effect", "reason"])
 OUTBOX_FAILED = Counter("outbox_failed_total", "Effects that ended failed_permanent", ["effect", "reason"])
+# Stripe's API (catch-up, backfill, reconcile): every request's outcome, and the retries of the one rule
+# (workers/stripe_api.py). Outcomes: ok, rate_limited, server_error, timeout, connection, rejected.
+STRIPE_API_REQUESTS = Counter("stripe_api_requests_total", "Stripe API requests by outcome", ["outcome"])
+STRIPE_API_RETRIES = Counter("stripe_api_retries_total", "Stripe API requests tried again, by reason", ["reason"])
+# Alert on any increase: each is an event Stripe generated that no webhook delivery brought us.
+CATCHUP_MISSED = Counter("catchup_missed_events_total",
+                         "Events catch-up found that no webhook had delivered, by event type", ["type"])
 
 
 class LedgerCollector:

@@ -9,10 +9,17 @@ It does not flood: only overdue wake-ups, each re-drive doubling the wait before
 the next for that event, at most ``batch`` per pass, and no pass while the broker
 queue already holds a batch or more (workers are behind; the wake-ups are there).
 Several sweepers may run at once: rows are picked with SKIP LOCKED.
+
+With LEDGER_CATCHUP_INTERVAL_S set (0, the default, is off), ``run_forever`` also
+runs the periodic catch-up (workers/catchup.py) on a thread beside the passes:
+the events Stripe has that no webhook delivered, for the platform and every
+account with a cursor. Several sweepers may run it: one catch-up per account
+runs at a time, the others skip it.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -78,12 +85,38 @@ class Sweeper:
 
     def run_forever(self, *, stop_after: float | None = None) -> None:
         started = time.monotonic()
-        while stop_after is None or time.monotonic() - started < stop_after:
+        stop = threading.Event()
+        catchup = self._start_catchup(stop)
+        try:
+            while stop_after is None or time.monotonic() - started < stop_after:
+                try:
+                    result = self.run_once()
+                except Exception as exc:
+                    log.error("sweep pass failed; next pass will try again",
+                              extra={"error_class": type(exc).__name__})
+                    result = None
+                # A full batch means more may be waiting: go again without sleeping.
+                if result is None or result.redriven + result.effects_redriven < self.settings.sweep_batch:
+                    time.sleep(self.settings.sweep_interval_s)
+        finally:
+            stop.set()
+            if catchup is not None:
+                catchup.join()
+
+    def _start_catchup(self, stop: threading.Event) -> threading.Thread | None:
+        interval = self.settings.catchup_interval_s
+        if not interval:
+            return None
+        from workers.catchup import PeriodicCatchup  # only a sweep that runs it needs Stripe's client
+
+        periodic = PeriodicCatchup(self.settings, self.waker, interval_s=interval)
+
+        def run():
             try:
-                result = self.run_once()
-            except Exception as exc:
-                log.error("sweep pass failed; next pass will try again", extra={"error_class": type(exc).__name__})
-                result = None
-            # A full batch means more may be waiting: go again without sleeping.
-            if result is None or result.redriven + result.effects_redriven < self.settings.sweep_batch:
-                time.sleep(self.settings.sweep_interval_s)
+                periodic.run_until(stop)
+            finally:
+                periodic.close()
+        thread = threading.Thread(target=run, name="catchup", daemon=True)
+        thread.start()
+        log.info("periodic catch-up on", extra={"interval_s": interval})
+        return thread

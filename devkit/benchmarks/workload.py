@@ -325,7 +325,7 @@ def ingest_scripts(work_dir: Path, deliveries_sample: list) -> tuple[list[Path],
         defines.update({f"type{k}": evt["type"], f"created{k}": str(evt["created"]),
                         f"livemode{k}": "true" if evt.get("livemode") else "false", f"payload{k}": delivery.body})
         names = {"id": "('evt_pgb_' || :r)", "type": f":type{k}", "created": f":created{k}::double precision",
-                 "livemode": f":livemode{k}::boolean", "payload": f":payload{k}"}
+                 "livemode": f":livemode{k}::boolean", "payload": f":payload{k}", "source": "'webhook'::text"}
         # pgbench cannot define an empty variable: absent values are NULL literals (psycopg sends NULL too).
         for name, key in (("api_version", "api"), ("account", "account")):
             value = evt.get(name)

@@ -3,9 +3,10 @@
 -- the WHERE clause, and "no row" is an outcome the caller names and handles.
 
 -- name: event_record_delivery
--- Receiver: a new id becomes `received`; a known id is left as it is (its
--- payload and status are never overwritten by a delivery). Either way the
--- delivery is appended to ledger.deliveries. Never waits on a worker: DO NOTHING
+-- Receiver and catch-up: a new id becomes `received`; a known id is left as it is
+-- (its payload and status are never overwritten by a delivery). Either way the
+-- delivery is appended to ledger.deliveries with its source (webhook or catchup:
+-- one statement, so both dedupe alike). Never waits on a worker: DO NOTHING
 -- does not lock the existing row, and the foreign key's KEY SHARE lock does not
 -- conflict with the worker's NO KEY UPDATE lock.
 -- No row back means a concurrent copy committed the id after this statement's
@@ -17,7 +18,7 @@ WITH inserted AS (
     ON CONFLICT (id) DO NOTHING
     RETURNING status, lease_expires_at
 ), delivery AS (
-    INSERT INTO ledger.deliveries (event_id) VALUES (%(id)s)
+    INSERT INTO ledger.deliveries (event_id, source) VALUES (%(id)s, %(source)s)
 )
 SELECT true AS inserted, status, false AS lease_expired FROM inserted
 UNION ALL

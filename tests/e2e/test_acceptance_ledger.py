@@ -6,7 +6,7 @@ Postgres test database and its private Redis. Stripe is ``devkit.stripe_sim``: s
 deliveries over HTTP, redelivered on a non-2xx. Stacks (receiver + workers, per retry
 profile) are started once for this module and reused; the ``db`` fixture empties the
 ledger and billing tables before every scenario. Assertions are about business
-outcomes: credits, workspaces, refunds and billing.* rows, and the event's final state.
+outcomes: credits, workspaces, upcoming invoices and billing.* rows, and the event's final state.
 """
 from __future__ import annotations
 
@@ -121,8 +121,8 @@ def real_payload(event_type: str, *, without_reference: bool) -> SimEvent:
     if found:
         return found[0]
     # No fixtures on this machine: the same shape, generated.
-    obj = {"id": new_id("ch"), "object": "charge", "amount": 2500, "amount_refunded": 2500, "refunded": True,
-           "customer": new_id("cus")} if event_type == "charge.refunded" else {
+    obj = {"object": "invoice", "customer": new_id("cus"), "amount_due": 2500,
+           "status": "draft"} if event_type == "invoice.upcoming" else {
         "id": new_id("cs"), "object": "checkout.session", "customer": new_id("cus"), "mode": "payment",
         "status": "complete", "payment_status": "paid", "client_reference_id": None}
     return SimEvent.from_dict(event(event_type, obj, created=int(time.time())), source="generated")
@@ -429,12 +429,13 @@ def _(world):
     assert written == {}
 
 
-@then("the refund is recorded exactly once")
+@then("the upcoming invoice is noticed exactly once")
 def _(world):
-    charge = world.event.data["data"]["object"]
-    rows = world.ledger.rows("SELECT charge_id, amount_refunded, event_id FROM public.acceptance_refunds")
-    assert rows == [{"charge_id": charge["id"], "amount_refunded": charge.get("amount_refunded"),
-                     "event_id": world.event.id}]
+    invoice = world.event.data["data"]["object"]
+    customer = invoice.get("customer")
+    rows = world.ledger.rows("SELECT customer_id, amount_due, event_id FROM public.acceptance_upcoming")
+    assert rows == [{"customer_id": customer if isinstance(customer, str) else None,
+                     "amount_due": invoice.get("amount_due"), "event_id": world.event.id}]
 
 
 @then("a workspace is provisioned for it exactly once")

@@ -41,7 +41,8 @@ def test_receiver_and_worker_logs_name_each_attempt_and_never_contain_the_payloa
         "processed": event("test.effect", {"id": "obj_ok", "description": marker}, created=at),
         "retried": event("test.flaky", {"id": "obj_flaky", "succeed_on_attempt": 2, "description": marker},
                          created=at),
-        "unsupported": event("test.nohandler", {"id": "obj_none", "description": marker}, created=at),
+        # No id: the generic mirror cannot keep it, and no other handler takes the type.
+        "unsupported": event("test.nohandler", {"object": "test_object", "description": marker}, created=at),
         "rejected": event("test.permanent", {"id": "obj_perm", "description": marker}, created=at),
         "constraint": event("test.bad_row", {"id": "obj_bad", "description": marker}, created=at),
         # The handler's own exception message quotes the payload value (int('payload-marker-...')).
@@ -59,7 +60,7 @@ def test_receiver_and_worker_logs_name_each_attempt_and_never_contain_the_payloa
     assert receiver.post(broken.encode(), {"Stripe-Signature": sign(broken, WEBHOOK_SECRET)}).status_code == 400
 
     final = {"processed": ("processed", None), "retried": ("processed", None),
-             "unsupported": ("failed_permanent", "unsupported_type"),
+             "unsupported": ("failed_permanent", "object_without_id"),
              "rejected": ("failed_permanent", "rejected_by_handler"),
              "constraint": ("failed_permanent", "constraint_violation"),
              "error_quotes_payload": ("failed_permanent", "retries_exhausted")}
@@ -83,7 +84,7 @@ def test_receiver_and_worker_logs_name_each_attempt_and_never_contain_the_payloa
             assert [(line["type"], line["outcome"]) for line in matching] == [(evt["type"], attempt["outcome"])], (
                 name, attempt["attempt"], matching)
     failed = [line for line in worker_lines if line.get("message") == "attempt failed"]
-    assert {line["reason"] for line in failed} >= {"transient", "unsupported_type", "rejected_by_handler",
+    assert {line["reason"] for line in failed} >= {"transient", "object_without_id", "rejected_by_handler",
                                                    "constraint_violation", "unexpected_error", "retries_exhausted"}
     assert all(line["level"] == "WARNING" and line["error_class"] for line in failed)
 

@@ -126,7 +126,8 @@ def test_a_worker_serves_attempt_retry_and_rescue_metrics_summed_over_its_childr
     ids = {
         "effect": [kit.record(event("test.effect", {"id": f"obj_{n}"}, created=at)) for n in range(2)],
         "flaky": [kit.record(event("test.flaky", {"id": "obj_flaky", "succeed_on_attempt": 2}, created=at))],
-        "unsupported": [kit.record(event("test.nohandler", {"id": "obj_none"}, created=at))],
+        # No id: the generic mirror cannot keep it, and no other handler takes the type.
+        "unsupported": [kit.record(event("test.nohandler", {"object": "test_object"}, created=at))],
         "permanent": [kit.record(event("test.permanent", {"id": "obj_perm"}, created=at))],
         "rescued": [kit.record(event("test.effect", {"id": "obj_rescued"}, created=at))],
     }
@@ -153,7 +154,7 @@ def test_a_worker_serves_attempt_retry_and_rescue_metrics_summed_over_its_childr
         key("worker_attempts_total", type="test.flaky", outcome="failed_recoverable", reason="transient"): 1,
         key("worker_attempts_total", type="test.flaky", outcome="processed", reason=""): 1,
         key("worker_attempts_total", type="test.nohandler", outcome="failed_permanent",
-            reason="unsupported_type"): 1,
+            reason="object_without_id"): 1,
         key("worker_attempts_total", type="test.permanent", outcome="failed_permanent",
             reason="rejected_by_handler"): 1,
         key("worker_retries_scheduled_total", type="test.flaky", reason="transient"): 1,

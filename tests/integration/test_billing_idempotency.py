@@ -24,7 +24,7 @@ EXPECTED_FEATURES = [
     [],        # canceled
 ]
 ALL_ROWS = ("customers", "subscriptions", "invoices", "checkout_sessions", "entitlements",
-            "entitlement_summaries", "subscription_transitions")
+            "entitlement_summaries", "subscription_transitions", "objects")
 
 
 def everything(kit) -> dict[str, list[dict]]:

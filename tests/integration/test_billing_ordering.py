@@ -28,6 +28,9 @@ SNAPSHOT = {
                           "payment_status, livemode, source_event_id, source_event_created "
                           "FROM billing.checkout_sessions ORDER BY id"),
     "entitlements": "SELECT customer_id, feature, source FROM billing.entitlements ORDER BY 1, 2, 3",
+    # The generic mirror converges under the same guard (every object of the history is there).
+    "objects": ("SELECT id, object_type, account, livemode, data, deleted, source_event_id, source_event_created "
+                "FROM billing.objects ORDER BY id"),
 }
 
 

@@ -194,10 +194,11 @@ def test_a_member_whose_handler_fails_recoverably_is_rolled_back_alone_and_woken
 @pytest.mark.parametrize("event_type, reason", [("test.permanent", "rejected_by_handler"),
                                                 ("test.bad_row", "constraint_violation"),
                                                 ("test.statement_timeout", "db_timeout"),
-                                                ("charge.succeeded", "unsupported_type")])
+                                                ("invoice.upcoming", "unmappable_payload")])
 def test_a_member_that_fails_never_takes_its_batch_mates_with_it(batch_kit, event_type, reason):
     """A Python exception, a statement the server refused (the transaction aborted until the savepoint
-    is rolled back), a timeout, and a type no handler takes (refused before any work)."""
+    is rolled back), a timeout, and an object the generic mirror cannot keep (it has no ``object`` type)
+    of a type no other handler takes."""
     kit = batch_kit
     mates = record(kit, "batch.txid", 3)
     [failing] = record(kit, event_type)

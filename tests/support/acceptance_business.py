@@ -17,8 +17,10 @@ holds only the handler modules its ``load_handlers`` call loads.
 * ``provision_workspace_strict`` (release 1, ``checkout.session.completed``): names the
   workspace after ``client_reference_id`` and refuses (``unmappable_payload``) a session
   without one. ``provision_workspace`` (release 2) falls back to the customer.
-* ``record_refund`` (release 2 only, ``charge.refunded``): release 1 has no handler for
-  that type (``unsupported_type``).
+* ``notice_upcoming_invoice`` (release 2 only, ``invoice.upcoming``): one row in
+  ``public.acceptance_upcoming`` per event. Release 1 has no handler for that type, and
+  its object (an invoice not created yet) has no id, so not even the generic mirror
+  keeps it (``object_without_id``).
 """
 from __future__ import annotations
 
@@ -35,8 +37,8 @@ CREATE TABLE IF NOT EXISTS public.acceptance_credits (
     invoice_id text NOT NULL, customer_id text, credits bigint NOT NULL, event_id text NOT NULL, n serial);
 CREATE TABLE IF NOT EXISTS public.acceptance_workspaces (
     checkout_session_id text NOT NULL, workspace text NOT NULL, event_id text NOT NULL, n serial);
-CREATE TABLE IF NOT EXISTS public.acceptance_refunds (
-    charge_id text NOT NULL, amount_refunded bigint, event_id text NOT NULL, n serial);
+CREATE TABLE IF NOT EXISTS public.acceptance_upcoming (
+    customer_id text, amount_due bigint, event_id text NOT NULL, n serial);
 CREATE TABLE IF NOT EXISTS public.acceptance_faults (kind text PRIMARY KEY, marker text);
 CREATE OR REPLACE FUNCTION public.acceptance_credits_fault() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
@@ -50,7 +52,7 @@ CREATE OR REPLACE TRIGGER acceptance_credits_fault BEFORE INSERT ON public.accep
     FOR EACH ROW EXECUTE FUNCTION public.acceptance_credits_fault();
 """
 
-TABLES = ("acceptance_credits", "acceptance_workspaces", "acceptance_refunds", "acceptance_faults")
+TABLES = ("acceptance_credits", "acceptance_workspaces", "acceptance_upcoming", "acceptance_faults")
 
 
 def ensure_tables(conn: psycopg.Connection) -> None:
@@ -112,7 +114,8 @@ def _provision(ctx: ApplyContext, session_id: str, workspace: str) -> None:
                      "VALUES (%s, %s, %s)", (session_id, workspace, ctx.event_id))
 
 
-def record_refund(ctx: ApplyContext) -> None:
-    charge = ctx.object
-    ctx.conn.execute("INSERT INTO public.acceptance_refunds (charge_id, amount_refunded, event_id) VALUES (%s, %s, %s)",
-                     (charge["id"], charge.get("amount_refunded"), ctx.event_id))
+def notice_upcoming_invoice(ctx: ApplyContext) -> None:
+    invoice = ctx.object
+    customer = invoice.get("customer")
+    ctx.conn.execute("INSERT INTO public.acceptance_upcoming (customer_id, amount_due, event_id) VALUES (%s, %s, %s)",
+                     (customer if isinstance(customer, str) else None, invoice.get("amount_due"), ctx.event_id))

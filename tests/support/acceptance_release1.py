@@ -1,7 +1,7 @@
 """Release 1 of the acceptance tests' product handlers (``LEDGER_HANDLER_MODULES``; worker processes only).
 
 Credits for paid invoices; workspaces for completed checkouts, strictly by
-client_reference_id; no handler for charge.refunded. See acceptance_business.
+client_reference_id; no handler for invoice.upcoming. See acceptance_business.
 """
 from tests.support import acceptance_business as business
 from workers.registry import handler

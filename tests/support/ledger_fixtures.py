@@ -123,7 +123,8 @@ def prepared_ledger(kit) -> PreparedLedger:
     """A ledger with events in every state, built through the real receiver and worker code paths.
 
     * ``processed``: a subscription lifecycle (customer.created, customer.subscription.*, invoice.*), 10 events;
-    * ``unsupported``: 2 x invoice.upcoming (no handler) -> failed_permanent / unsupported_type;
+    * ``unsupported``: 2 x invoice.upcoming (no id, as Stripe sends it: the mirror cannot keep it, no typed
+      handler takes it) -> failed_permanent / object_without_id;
     * ``rejected``: 1 x test.permanent -> failed_permanent / rejected_by_handler;
     * ``due_retry`` / ``scheduled_retry``: test.flaky -> failed_recoverable, next attempt 1 min ago / in 1 h;
     * ``in_progress`` / ``expired_lease``: test.effect claimed, lease ending in 1 h / 1 min ago;
@@ -147,7 +148,7 @@ def prepared_ledger(kit) -> PreparedLedger:
     for evt in SubscriptionHistory().lifecycle().events:
         processor.process(add("processed", evt, "processed"))
     for n in range(2):
-        processor.process(add("unsupported", event("invoice.upcoming", {"id": f"in_up_{n}", "object": "invoice"},
+        processor.process(add("unsupported", event("invoice.upcoming", {"object": "invoice", "amount_due": n},
                                                    created=now), "failed_permanent"))
     processor.process(add("rejected", event("test.permanent", {"id": "obj_rejected"}, created=now),
                           "failed_permanent"))

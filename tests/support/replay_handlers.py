@@ -1,6 +1,7 @@
 """A handler module the replay tests deploy "after the fix" (no tests here).
 
-A worker started without it finds no handler for ``test.replay_fixed`` (unsupported_type); one started with
+A worker started without it finds no handler for ``test.replay_fixed`` but the generic mirror, which cannot keep
+an object without id (object_without_id); one started with
 ``LEDGER_HANDLER_MODULES=tests.support.handlers_for_tests,tests.support.replay_handlers`` applies it, writing one
 row into public.test_effects (no unique constraint: a second application would show as a second row).
 """

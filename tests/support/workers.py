@@ -173,7 +173,7 @@ class LedgerKit:
 
     def billing_counts(self) -> dict[str, int]:
         tables = ("customers", "subscriptions", "invoices", "checkout_sessions", "entitlements",
-                  "entitlement_summaries", "subscription_transitions")
+                  "entitlement_summaries", "subscription_transitions", "objects")
         return {t: self.query(f"SELECT count(*) AS n FROM billing.{t}")[0]["n"] for t in tables}
 
     def wait_status(self, event_id: str, *statuses: str, timeout_s: float = 30.0) -> dict:

@@ -3,7 +3,10 @@
 Each runs inside the apply transaction: mapping (pure) then guarded upserts,
 named SQL from workers/billing/billing.sql. ``register_handlers`` lists every
 event type handled here; the load calls it with the settings, because the
-subscription handler carries the entitlements map they name.
+subscription handler carries the entitlements map they name. Every type, typed
+or not, also goes to the generic mirror (``ObjectMirror``, pattern ``*``).
+Objects fetched from the API take the same mapping and statements through
+workers/billing/snapshots.py.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from ledger.config import Settings
 from ledger.errors import ConfigError
 from ledger.queries import load
 from workers.billing import mapping
+from workers.failures import PermanentError
 from workers.handlers import ApplyContext, HandlerRegistry
 
 SQL = load("workers.billing")
@@ -34,6 +38,7 @@ INVOICE_EVENTS = ("invoice.created", "invoice.updated", "invoice.finalized", "in
                   "invoice.voided", "invoice.marked_uncollectible", "invoice.deleted")
 CHECKOUT_EVENTS = ("checkout.session.completed",)
 ENTITLEMENT_SUMMARY_EVENTS = ("entitlements.active_entitlement_summary.updated",)
+MIRROR_PATTERN = "*"  # every type, these included
 
 
 def register_handlers(registry: HandlerRegistry, settings: Settings) -> None:
@@ -44,11 +49,13 @@ def register_handlers(registry: HandlerRegistry, settings: Settings) -> None:
     registry.handler(*INVOICE_EVENTS)(apply_invoice)
     registry.handler(*CHECKOUT_EVENTS)(apply_checkout_session)
     registry.handler(*ENTITLEMENT_SUMMARY_EVENTS)(apply_entitlement_summary)
+    # Last of the built-ins: a typed handler's refusal (naming the field) is the one reported.
+    registry.handler(MIRROR_PATTERN)(ObjectMirror(registry))
 
 
 def _stamp(ctx: ApplyContext, row: dict) -> dict:
     return {**row, "event_id": ctx.event_id, "event_type": ctx.event_type,
-            "event_created": ctx.created, "livemode": ctx.livemode}
+            "event_created": ctx.created, "account": ctx.account, "livemode": ctx.livemode}
 
 
 def read_entitlements_map(path: str | None) -> dict[str, list[str]]:
@@ -82,7 +89,8 @@ class SubscriptionHandler:
     def __call__(self, ctx: ApplyContext) -> None:
         row = mapping.subscription_row(ctx.object, self.entitlements_map)
         before = ctx.conn.execute(SQL.subscription_lock, {"id": row["id"]}).fetchone()
-        ctx.conn.execute(SQL.subscription_apply_event, {**_stamp(ctx, row), "from_status": before and before[0]})
+        ctx.conn.execute(SQL.subscription_apply_event, {**_stamp(ctx, row), "from_status": before and before[0],
+                                                        "transition": True})
         recompute_entitlements(ctx, row["customer_id"])
 
 
@@ -93,12 +101,18 @@ apply_subscription = SubscriptionHandler()
 
 def recompute_entitlements(ctx: ApplyContext, customer_id: str) -> None:
     """Derive subscription entitlements from current state: idempotent by construction."""
-    params = {"customer_id": customer_id}
-    ctx.conn.execute(SQL.entitlements_lock_customer, params)
+    ctx.conn.execute(SQL.entitlements_lock_customer, {"customer_id": customer_id})
     before = _features_if_announced(ctx, customer_id)
-    ctx.conn.execute(SQL.entitlements_revoke_lapsed, params)
-    ctx.conn.execute(SQL.entitlements_grant_current, params)
+    derive_entitlements(ctx.conn, customer_id)
     _announce_if_changed(ctx, customer_id, before)
+
+
+def derive_entitlements(conn, customer_id: str) -> None:
+    """The customer's subscription entitlements from its subscriptions' current rows; the caller holds
+    entitlements_lock_customer."""
+    params = {"customer_id": customer_id}
+    conn.execute(SQL.entitlements_revoke_lapsed, params)
+    conn.execute(SQL.entitlements_grant_current, params)
 
 
 def _features(ctx: ApplyContext, customer_id: str) -> list[str]:
@@ -141,7 +155,7 @@ def apply_checkout_session(ctx: ApplyContext) -> None:
 def apply_entitlement_summary(ctx: ApplyContext) -> None:
     customer_id, features = mapping.entitlement_summary(ctx.object)
     params = {"customer_id": customer_id, "features": features, "event_id": ctx.event_id,
-              "event_created": ctx.created}
+              "event_created": ctx.created, "account": ctx.account}
     ctx.conn.execute(SQL.entitlements_lock_customer, params)
     if ctx.conn.execute(SQL.entitlement_summary_claim_if_newer, params).fetchone() is None:
         return  # a newer summary was already applied
@@ -149,3 +163,28 @@ def apply_entitlement_summary(ctx: ApplyContext) -> None:
     ctx.conn.execute(SQL.entitlements_replace_from_stripe, params)
     ctx.conn.execute(SQL.entitlements_add_from_stripe, params)
     _announce_if_changed(ctx, customer_id, before)
+
+
+@dataclass(frozen=True, eq=False)
+class ObjectMirror:
+    """Every event's ``data.object``, of any type, into billing.objects (the generic mirror).
+
+    Keyed by (id, account, livemode), under the order guard of the typed tables. A type
+    no other handler takes is mirrored and processed: with this registered, every type
+    has a handler and none ends ``unsupported_type``. An object the mirror cannot key (no id, no ``object`` type)
+    is left to the type's other handlers (an entitlement summary has no id); when the
+    mirror is the type's only handler, the event fails permanently with the reason
+    (``object_without_id``, ``unmappable_payload``). It asks the registry it was
+    registered in, when it meets such an object, so handlers loaded after it count.
+    """
+    registry: HandlerRegistry
+
+    def __call__(self, ctx: ApplyContext) -> None:
+        try:
+            row = mapping.object_row(ctx.object, event_type=ctx.event_type)
+        except PermanentError:
+            if any(other is not self for other in self.registry.resolve(ctx.event_type)):
+                return
+            raise
+        row["data"] = Jsonb(row["data"])
+        ctx.conn.execute(SQL.object_upsert_if_newer, _stamp(ctx, row))

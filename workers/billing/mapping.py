@@ -13,9 +13,20 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any, Mapping
 
-from workers.failures import UnmappablePayload
+from workers.failures import PermanentError, UnmappablePayload
 
 Obj = Mapping[str, Any]
+
+
+class ObjectWithoutId(PermanentError):
+    """The event's object has no id (an upcoming invoice, a summary): the generic mirror,
+    keyed by id, cannot keep it, and no other handler takes its type."""
+
+    reason = "object_without_id"
+
+    def __init__(self, where: str = "data.object"):
+        super().__init__(f"{where} has no id: the generic mirror cannot keep it, and no other handler "
+                         "takes this type")
 
 
 def _ts(value: Any) -> datetime | None:
@@ -192,3 +203,25 @@ def payment_failed_notice(obj: Obj) -> dict[str, Any]:
         "next_payment_attempt": _int(obj.get("next_payment_attempt")),
         "hosted_invoice_url": _str(obj.get("hosted_invoice_url")),
     }
+
+
+# The one *.deleted type whose object still exists at Stripe: a canceled subscription
+# (status canceled) that the API keeps returning.
+_NOT_A_DELETION = frozenset({"customer.subscription.deleted"})
+
+
+def is_deletion(event_type: str | None, obj: Obj) -> bool:
+    """Whether the object is gone at Stripe: a *.deleted event, or an object that says so."""
+    return obj.get("deleted") is True or (
+        event_type is not None and event_type.endswith(".deleted") and event_type not in _NOT_A_DELETION)
+
+
+def object_row(obj: Obj, *, event_type: str | None) -> dict[str, Any]:
+    """The generic mirror's row of any Stripe object (billing.objects); ``data`` is the object itself.
+
+    Raises ObjectWithoutId without a string id, UnmappablePayload without an ``object`` type."""
+    object_id = obj.get("id")
+    if not isinstance(object_id, str) or not object_id:
+        raise ObjectWithoutId()
+    return {"id": object_id, "object_type": _required_str(obj, "object"), "data": obj,
+            "deleted": is_deletion(event_type, obj)}

@@ -1,6 +1,7 @@
 Feature: An event we cannot process stops with its reason, and completes once fixed and replayed
-  An event of a type we have no handler for, or whose payload lacks what the handler
-  needs, cannot succeed by retrying: it ends failed_permanent with a reason, and
+  An event no handler can take (of a type without a typed handler, whose object has no
+  id, so that not even the generic mirror keeps it), or whose payload lacks what the
+  handler needs, cannot succeed by retrying: it ends failed_permanent with a reason, and
   nothing (not Stripe's redelivery, not the recovery sweep) retries it. Once a release
   that handles it is deployed, the operator replays it and it completes, once.
 
@@ -23,5 +24,5 @@ Feature: An event we cannot process stops with its reason, and completes once fi
 
     Examples:
       | payload                                                        | reason             | error                                     | why                                          | effect                                  |
-      | charge.refunded payload                                        | unsupported_type   | no handler for event type charge.refunded | release 2 handles charge.refunded            | the refund is recorded                  |
+      | invoice.upcoming payload                                       | object_without_id  | data.object has no id                     | release 2 notices upcoming invoices          | the upcoming invoice is noticed         |
       | checkout.session.completed payload without client_reference_id | unmappable_payload | data.object.client_reference_id           | release 2 provisions checkouts by customer   | a workspace is provisioned for it       |

@@ -1,0 +1,81 @@
+-- Catch-up, backfill and reconcile (workers/catchup.py, backfill.py, reconcile.py): the
+-- statements they add. Catch-up records events through the receiver's own statement
+-- (event_record_delivery, events.sql); what is here is its cursor, its lock, and reads.
+
+-- name: catchup_lock_try
+-- Catch-up: take the session lock of one account's catch-up, on a connection kept for
+-- the run and idle (no transaction) while it calls Stripe. false: another catch-up of
+-- that account is running. Released by catchup_unlock, or when the connection ends.
+SELECT pg_try_advisory_lock(hashtextextended('ledger.catchup:' || %(account)s, 0)) AS locked
+
+-- name: catchup_unlock
+-- Catch-up: give the account's lock back at the end of the run.
+SELECT pg_advisory_unlock(hashtextextended('ledger.catchup:' || %(account)s, 0)) AS unlocked
+
+-- name: catchup_cursor_get
+-- Catch-up: where the last catch-up of this account ('' = platform) ended. No row: none ran.
+SELECT account, last_event_id, last_event_created, last_run_at, last_found, updated_at
+  FROM ledger.catchup_cursors
+ WHERE account = %(account)s
+
+-- name: catchup_cursor_advance_if_newer
+-- Catch-up: move the cursor to the newest event recorded so far (called only after that
+-- event's delivery committed). Never backwards in time: a run that started from an older
+-- position (a slow run overtaken by another) cannot undo a newer one's progress.
+INSERT INTO ledger.catchup_cursors AS t (account, last_event_id, last_event_created, updated_at)
+VALUES (%(account)s, %(event_id)s, %(event_created)s, now())
+ON CONFLICT (account) DO UPDATE
+   SET last_event_id = EXCLUDED.last_event_id, last_event_created = EXCLUDED.last_event_created,
+       updated_at = now()
+ WHERE t.last_event_created IS NULL OR t.last_event_created <= EXCLUDED.last_event_created
+
+-- name: catchup_cursor_record_run
+-- Catch-up: a run of this account finished; `last_found` counts the events it found that no
+-- webhook had delivered. Creates the row of an account's first run (with no position yet):
+-- from then on the periodic catch-up covers that account too.
+INSERT INTO ledger.catchup_cursors AS t (account, last_run_at, last_found, updated_at)
+VALUES (%(account)s, now(), %(found)s, now())
+ON CONFLICT (account) DO UPDATE
+   SET last_run_at = now(), last_found = EXCLUDED.last_found, updated_at = now()
+
+-- name: catchup_cursor_accounts
+-- Periodic catch-up: every account with a cursor ('' = platform).
+SELECT account FROM ledger.catchup_cursors ORDER BY account
+
+-- name: catchup_known_event_ids
+-- Catch-up: which of these event ids the ledger already has (a dry run's "already
+-- delivered", and the overlap a run from the cursor lists again).
+SELECT id FROM ledger.events WHERE id = ANY(%(ids)s)
+
+
+-- Reconcile: read-only views of the billing tables for one account ('' = platform,
+-- stored as NULL) and mode (NULL: both). The writes stay with the billing handlers
+-- and workers/billing/snapshots.py.
+
+-- name: reconcile_customers
+SELECT id, email, name, deleted
+  FROM billing.customers
+ WHERE account IS NOT DISTINCT FROM nullif(%(account)s, '')
+   AND (%(livemode)s::boolean IS NULL OR livemode = %(livemode)s)
+
+-- name: reconcile_subscriptions
+SELECT id, customer_id, status, price_id, quantity, cancel_at_period_end,
+       current_period_start, current_period_end, false AS deleted
+  FROM billing.subscriptions
+ WHERE account IS NOT DISTINCT FROM nullif(%(account)s, '')
+   AND (%(livemode)s::boolean IS NULL OR livemode = %(livemode)s)
+
+-- name: reconcile_invoices
+SELECT id, customer_id, subscription_id, status, amount_due, amount_paid, currency,
+       period_start, period_end, deleted
+  FROM billing.invoices
+ WHERE account IS NOT DISTINCT FROM nullif(%(account)s, '')
+   AND (%(livemode)s::boolean IS NULL OR livemode = %(livemode)s)
+
+-- name: reconcile_objects
+-- The generic mirror's rows of one object type (obj["object"]: charge, checkout.session, ...).
+SELECT id, data, deleted
+  FROM billing.objects
+ WHERE object_type = %(object_type)s
+   AND account IS NOT DISTINCT FROM nullif(%(account)s, '')
+   AND (%(livemode)s::boolean IS NULL OR livemode = %(livemode)s)
