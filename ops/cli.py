@@ -455,6 +455,8 @@ def catchup(obj: _Context, since, from_cursor, types, account, undelivered, dry_
             click.echo(f"listed {report.listed}: recorded {report.recorded} ({report.missed} no webhook had "
                        f"delivered, {report.duplicates} duplicates), skipped {report.skipped} already recorded "
                        f"behind the cursor; woke {report.woken}")
+            if report.refused_mode:
+                click.echo(f"  not recorded: {report.refused_mode} of a mode LEDGER_ACCEPT_LIVEMODE refuses")
             for type_, count in sorted(report.missed_by_type.items()):
                 click.echo(f"  missed {type_}: {count}")
             if report.cursor and report.cursor["last_event_id"]:

@@ -102,6 +102,7 @@ class CatchupReport:
     missed: int = 0                       # new to the ledger: no webhook had delivered them
     duplicates: int = 0                   # a webhook (or an earlier run) had delivered them
     skipped: int = 0                      # in the overlap behind the cursor, already in the ledger
+    refused_mode: int = 0                 # of a mode LEDGER_ACCEPT_LIVEMODE refuses: not recorded, as the receiver
     woken: int = 0
     missed_by_type: dict[str, int] = field(default_factory=dict)
     cursor: dict[str, Any] | None = None  # where the cursor is after the run (None: untouched / none)
@@ -196,6 +197,10 @@ class CatchUp:
         try:
             with progress(events) as items:
                 for n, evt in enumerate(items, start=1):
+                    if not self._settings.accepts_livemode(evt.get("livemode") is True):
+                        # The receiver answers such a delivery 400 and writes nothing; so does catch-up.
+                        report.refused_mode += 1
+                        continue
                     delivery = self._store.record_delivery(self._incoming(evt, account))
                     last = evt  # committed: record_delivery returns after COMMIT
                     report.recorded += 1

@@ -288,3 +288,16 @@ def test_the_sweep_loop_runs_the_periodic_catchup_when_an_interval_is_set(kit, s
     off = dataclasses.replace(on, catchup_interval_s=0)
     Sweeper(WorkerLedger(kit.pool("sweep")), RecordingWaker(), make_celery(off), off).run_forever(stop_after=0.3)
     assert fake_stripe.requests == [] and kit.query("SELECT id FROM ledger.events") == []
+
+
+def test_events_of_a_mode_the_deployment_refuses_are_not_recorded_as_the_receiver_refuses_them(
+        kit, settings, fake_stripe):
+    live, test = effect(1, NOW - 600, livemode=True), effect(2, NOW - 300, livemode=False)
+    fake_stripe.add_events([live, test])
+    settings = dataclasses.replace(settings, accept_livemode="test")
+
+    report = catchup(kit, settings, fake_stripe).run(CatchupRequest(since=datetime.fromtimestamp(
+        NOW - 3600, timezone.utc)))
+
+    assert (report.listed, report.recorded, report.refused_mode) == (2, 1, 1)
+    assert [r["id"] for r in kit.query("SELECT id FROM ledger.events")] == [test["id"]]
