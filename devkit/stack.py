@@ -50,26 +50,61 @@ def http_request(port: int, method: str, path: str, body: bytes | None = None,
         conn.close()
 
 
-class Receiver(Process):
-    """``gunicorn -w N 'ingest.app:create_app()'`` (README's command) on a free port.
+# The WSGI servers the receiver can run under: the first is README's command, the second README's
+# alternative (SUPPORTED_RECEIVER_SERVERS: the e2e tests run both). granian is here to be measured
+# (ops/bench --receiver granian) and its framing tested, not run: README, "Running it", says why.
+RECEIVER_SERVERS = ("gunicorn-sync", "gunicorn-gthread", "granian")
+SUPPORTED_RECEIVER_SERVERS = RECEIVER_SERVERS[:2]
+DEFAULT_RECEIVER_SERVER = RECEIVER_SERVERS[0]
+# Threads per worker process when the caller names none: gthread's, and granian's blocking
+# threads (the ones that run the WSGI app), each as many as a worker's DB_POOL_MAX_SIZE.
+DEFAULT_THREADS = {"gunicorn-sync": 1, "gunicorn-gthread": 4, "granian": 4}
 
-    ``threads`` > 1 runs gthread workers. Ready when ``ready_path`` answers 200
-    and every gunicorn worker has forked.
+
+def receiver_command(server: str, *, host: str, port: int, workers: int, threads: int | None = None,
+                     extra_args: tuple[str, ...] = ()) -> list[str]:
+    """The receiver's command line under ``server`` (one of RECEIVER_SERVERS), as README runs it."""
+    if server not in RECEIVER_SERVERS:
+        raise ValueError(f"unknown receiver server {server!r}: choose one of {', '.join(RECEIVER_SERVERS)}")
+    if server == "gunicorn-sync" and (threads or 1) > 1:
+        raise ValueError("sync workers have one thread: threads > 1 is gunicorn-gthread")
+    threads = threads or DEFAULT_THREADS[server]
+    if server == "granian":
+        # Backpressure = threads: a worker takes no more requests than it has threads to run them
+        # (granian's default is 1024/workers, with half as many threads, far more than the pool has
+        # connections); the rest wait in the listen backlog.
+        return [venv_tool("granian"), "--interface", "wsgi", "--factory", "--host", host, "--port", str(port),
+                "--workers", str(workers), "--blocking-threads", str(threads), "--backpressure", str(threads),
+                "--respawn-failed-workers", *extra_args, "ingest.app:create_app"]
+    # No control socket: the default one is a fixed path in $HOME shared by every gunicorn.
+    cmd = [venv_tool("gunicorn"), "-b", f"{host}:{port}", "-w", str(workers), "--no-control-socket"]
+    if server == "gunicorn-gthread":
+        cmd += ["--worker-class", "gthread", "--threads", str(threads)]
+    return [*cmd, *extra_args, "ingest.app:create_app()"]
+
+
+class Receiver(Process):
+    """The receiver (``ingest.app:create_app()``) under ``server`` (RECEIVER_SERVERS), on a free port.
+
+    ``threads``: gthread's threads per worker, or granian's blocking threads per worker
+    (DEFAULT_THREADS when None; sync workers have one); ``threads`` > 1 without a ``server`` is
+    gunicorn-gthread. ``extra_args`` are the server's own options. Ready when ``ready_path``
+    answers 200 and every worker process is up.
     """
 
-    def __init__(self, env: Mapping[str, str], log_dir: Path, *, workers: int = 2, threads: int = 1,
-                 port: int | None = None, host: str = "127.0.0.1", ready_path: str = "/healthz",
-                 extra_args: tuple[str, ...] = ()):
+    def __init__(self, env: Mapping[str, str], log_dir: Path, *, server: str | None = None,
+                 workers: int = 2, threads: int | None = None, port: int | None = None, host: str = "127.0.0.1",
+                 ready_path: str = "/healthz", extra_args: tuple[str, ...] = ()):
+        if server is None:
+            server = "gunicorn-gthread" if (threads or 1) > 1 else DEFAULT_RECEIVER_SERVER
         self.port = port or free_port()
+        self.server = server
         self.workers = workers
+        self.threads = threads or DEFAULT_THREADS.get(server, 1)
         self.ready_path = ready_path
-        # No control socket: the default one is a fixed path in $HOME shared by every gunicorn.
-        cmd = [venv_tool("gunicorn"), "-b", f"{host}:{self.port}", "-w", str(workers), "--no-control-socket",
-               *extra_args]
-        if threads > 1:
-            cmd += ["--worker-class", "gthread", "--threads", str(threads)]
-        super().__init__("receiver", [*cmd, "ingest.app:create_app()"], env,
-                         Path(log_dir) / f"receiver-{self.port}.log")
+        cmd = receiver_command(server, host=host, port=self.port, workers=workers, threads=threads,
+                               extra_args=extra_args)
+        super().__init__("receiver", cmd, env, Path(log_dir) / f"receiver-{self.port}.log")
 
     @property
     def url(self) -> str:
@@ -148,7 +183,7 @@ class Sweep(Process):
 
 
 # The product's console scripts the classes above start (through venv_tool).
-PRODUCT_TOOLS = ("gunicorn", "celery", "ledgerctl")
+PRODUCT_TOOLS = ("gunicorn", "granian", "celery", "ledgerctl")
 
 
 @dataclass(frozen=True)
@@ -165,7 +200,7 @@ class Checkout:
     bin_dir: Path = VENV_BIN
 
     def tool(self, name: str) -> str:
-        """``name`` (gunicorn, celery, ledgerctl) from this checkout's virtualenv."""
+        """``name`` (gunicorn, granian, celery, ledgerctl) from this checkout's virtualenv."""
         if self.bin_dir == VENV_BIN:
             return venv_tool(name)
         path = self.bin_dir / name

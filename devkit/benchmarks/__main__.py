@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from devkit.procs import REPO
+from devkit.stack import DEFAULT_RECEIVER_SERVER, DEFAULT_THREADS, RECEIVER_SERVERS
 
 from . import report
 from .scenarios import ALL, INTERLEAVED, SCENARIOS, Bench, Options, log
@@ -112,8 +113,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="drain each backlog to the end instead of measuring a window (slow)")
     parser.add_argument("--history-events", type=int)
     parser.add_argument("--ingest-seconds", dest="ingest_s", type=float)
-    parser.add_argument("--receiver-workers", type=int, help="gunicorn workers (default 4, as in README)")
-    parser.add_argument("--receiver-threads", type=int, help="gunicorn gthread threads per worker (default 1: sync workers)")
+    parser.add_argument("--receiver", dest="receiver_server", choices=RECEIVER_SERVERS,
+                        help=f"the receiver's WSGI server (default {DEFAULT_RECEIVER_SERVER}, as in README; "
+                             "--receiver-threads alone means gunicorn-gthread)")
+    parser.add_argument("--receiver-workers", type=int, help="receiver worker processes (default 4, as in README)")
+    parser.add_argument("--receiver-threads", type=int,
+                        help="threads per receiver worker: gthread's, or granian's blocking threads "
+                             "(default: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_THREADS.items()) + ")")
     parser.add_argument("--burst-worker-nice", type=int, help="nice level of the burst's workers (default 0)")
     parser.add_argument("--steady-levels", type=lambda s: tuple(int(x) for x in s.split(",")),
                         help="steady concurrency levels (default 1,8,32)")
@@ -143,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     opts = Options.make(args.quick, out, levels=args.levels, worker_counts=args.worker_counts,
                         drain_events=args.drain_events, history_events=args.history_events, ingest_s=args.ingest_s,
                         drain_s=args.drain_s, full_drain=args.full_drain,
-                        receiver_workers=args.receiver_workers, receiver_threads=args.receiver_threads,
+                        receiver_server=args.receiver_server, receiver_workers=args.receiver_workers,
+                        receiver_threads=args.receiver_threads,
                         burst_worker_nice=args.burst_worker_nice, steady_levels=args.steady_levels,
                         steady_events=args.steady_events, compare=args.compare)
     names = list(ALL) if args.scenario == "all" else [n.strip() for n in args.scenario.split(",") if n.strip()]

@@ -72,8 +72,8 @@ def _run_line(meta: dict[str, Any]) -> list[str]:
 
 def _steady_method(st: dict[str, Any]) -> str:
     p = st["payload"]
-    return (f"The stack as README runs it: the receiver (gunicorn, "
-            f"{report.receiver_kind(st['receiver_workers'], st.get('receiver_threads', 1))}), {st['workers']} "
+    return (f"The stack as README runs it: the receiver ("
+            f"{report.receiver_kind(st.get('receiver_server'), st['receiver_workers'], st.get('receiver_threads'))}), {st['workers']} "
             f"`celery -A workers worker --concurrency {st['worker_concurrency']}` ({st['workers']} parents, "
             f"{st['workers'] * st['worker_concurrency']} pool children; every queue, Celery's own log level, mingle, "
             f"gossip and heartbeats as by default; `LOG_LEVEL=INFO`) and `ledgerctl sweep --loop`, on the private "
@@ -145,8 +145,8 @@ def results_block(r: dict[str, Any]) -> str:
         p = ing["payload"]
         out += ["### ingest", "",
                 f"Signed deliveries, {p['min_kb']:.1f}-{p['max_kb']:.1f} KB (median {p['median_kb']:.1f} KB), "
-                f"{ing['seconds_per_level']:.0f} s per level, receiver = gunicorn with "
-                f"{report.receiver_kind(ing['receiver_workers'], ing.get('receiver_threads', 1))}; load generator: {ing['loadgen']}.", "",
+                f"{ing['seconds_per_level']:.0f} s per level, receiver = "
+                f"{report.receiver_kind(ing.get('receiver_server'), ing['receiver_workers'], ing.get('receiver_threads'))}; load generator: {ing['loadgen']}.", "",
                 report.md_table(ing["levels"], report.INGEST_COLUMNS), ""]
     if "drain" in r:
         dr = r["drain"]

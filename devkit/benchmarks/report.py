@@ -70,11 +70,19 @@ def burst_ack_target(burst: dict) -> bool:
     return burst_ack_ratio(burst) >= 0.9
 
 
-def receiver_kind(workers: int, threads: int = 1) -> str:
-    """The gunicorn configuration in words: sync workers, or gthread workers with their threads."""
-    if threads > 1:
-        return f"{workers} gthread workers of {threads} threads"
-    return f"{workers} sync workers"
+def receiver_kind(server: str | None, workers: int, threads: int | None = None) -> str:
+    """The receiver's server and configuration in words (``server`` None: a result recorded
+    before the server was selectable, gunicorn sync or, with threads, gthread)."""
+    from devkit.stack import DEFAULT_THREADS
+
+    if server is None:
+        server = "gunicorn-gthread" if (threads or 1) > 1 else "gunicorn-sync"
+    threads = threads or DEFAULT_THREADS.get(server, 1)
+    if server == "granian":
+        return f"granian, {workers} workers of {threads} blocking threads"
+    if server == "gunicorn-gthread":
+        return f"gunicorn, {workers} gthread workers of {threads} threads"
+    return f"gunicorn, {workers} sync workers"
 
 
 def worker_round_trip_target(worker: dict) -> bool:

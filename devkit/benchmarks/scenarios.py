@@ -24,7 +24,7 @@ from psycopg import sql as pg_sql
 from devkit.procs import Cleanup, venv_tool
 from devkit.servers import PrivateRedis
 from devkit.sql import SQL, compose
-from devkit.stack import Checkout, Receiver
+from devkit.stack import DEFAULT_RECEIVER_SERVER, Checkout, Receiver
 from ledger.migrate import migrate
 from ledger.config import Settings
 from ledger.queries import SQL as LEDGER_SQL
@@ -60,8 +60,11 @@ class Options:
     burst_connections: int = 32
     replay_events: int = 10_000
     history_events: int = 1_000_000
+    # The receiver's WSGI server (devkit.stack.RECEIVER_SERVERS; --receiver), its worker processes
+    # and threads per worker (None: the server's own default, devkit.stack.DEFAULT_THREADS).
+    receiver_server: str = DEFAULT_RECEIVER_SERVER
     receiver_workers: int = 4
-    receiver_threads: int = 1
+    receiver_threads: int | None = None
     # Nice level of the burst's workers (--burst-worker-nice): a way to let acknowledgements
     # win the CPU on a host shared with the receiver; 0, as deployed by default.
     burst_worker_nice: int = 0
@@ -85,6 +88,8 @@ class Options:
         for key, value in overrides.items():
             if value is not None:
                 setattr(base, key, value)
+        if overrides.get("receiver_server") is None and (base.receiver_threads or 1) > 1:
+            base.receiver_server = "gunicorn-gthread"  # --receiver-threads alone: gunicorn's threaded workers
         return base
 
 
@@ -206,10 +211,10 @@ class Bench:
 
     def receiver(self) -> Receiver:
         if self._receiver is None:
-            log(f"starting the receiver (gunicorn, "
-                f"{report.receiver_kind(self.opts.receiver_workers, self.opts.receiver_threads)})"
+            log(f"starting the receiver ({report.receiver_kind(self.opts.receiver_server, self.opts.receiver_workers, self.opts.receiver_threads)})"
                 + ("" if self.side.revision.current else f" of {self.side.label}"))
-            self._receiver = self.checkout.adopt(Receiver(self.env, self.work, workers=self.opts.receiver_workers,
+            self._receiver = self.checkout.adopt(Receiver(self.env, self.work, server=self.opts.receiver_server,
+                                                          workers=self.opts.receiver_workers,
                                                           threads=self.opts.receiver_threads, ready_path="/readyz",
                                                           extra_args=("--backlog", "2048")))
             self.cleanup.add("receiver", self._receiver.stop)
@@ -425,7 +430,8 @@ def ingest(b: Bench) -> dict[str, Any]:
             f"errors {row['errors']} | pgbench {pgb.tps:8.1f} tps | ratio {row['ingest_ratio']:.3f}")
     b.clear()
     return {"levels": rows, "payload": payloads.size_stats(d.body for d in sample + b.deliveries(templates, 500, 3)),
-            "receiver_workers": opts.receiver_workers, "receiver_threads": opts.receiver_threads,
+            "receiver_server": opts.receiver_server, "receiver_workers": opts.receiver_workers,
+            "receiver_threads": opts.receiver_threads,
             "seconds_per_level": opts.ingest_s,
             "loadgen": "wrk 4 (1 thread, pre-signed requests replayed by a Lua script)"}
 
@@ -777,7 +783,8 @@ def _steady_level(b: Bench, c: int) -> dict[str, Any]:
     warm = b.signed(b.steady_source.backlog(200))
     b.stop_receiver()  # only this level's stack runs
     stack = Stack(b.env, b.work, queue=QUEUE, label=f"steady-{side}-c{c}-", checkout=b.checkout,
-                  receiver_workers=opts.receiver_workers, receiver_threads=opts.receiver_threads)
+                  receiver_server=opts.receiver_server, receiver_workers=opts.receiver_workers,
+                  receiver_threads=opts.receiver_threads)
     b.cleanup.add("steady stack", stack.stop)
     try:
         b.clear()
@@ -845,7 +852,8 @@ def steady(b: Bench) -> dict[str, Any]:
     return {"levels": list(opts.steady_levels), "events_per_level": opts.steady_events,
             "redelivery_share": STEADY_REDELIVERY_SHARE, "api_version": payloads.BASIL_API,
             "payload": payloads.size_stats(e.body for e in sample),
-            "receiver_workers": opts.receiver_workers, "receiver_threads": opts.receiver_threads,
+            "receiver_server": opts.receiver_server, "receiver_workers": opts.receiver_workers,
+            "receiver_threads": opts.receiver_threads,
             "workers": 2, "worker_concurrency": 2,
             "loadgen": "wrk 4 (1 thread, pre-signed requests replayed by a Lua script)",
             "revisions": [{"label": s.label, "commit": s.revision.commit, "runs": runs[s.label]} for s in b.sides]}

@@ -20,7 +20,7 @@ from typing import Callable, Mapping
 
 from devkit.procs import cpu_seconds, memory_kb, signal_group, wait_until
 from devkit.servers import PrivatePostgres
-from devkit.stack import Checkout, ReadmeWorker, Receiver, Sweep, Worker
+from devkit.stack import DEFAULT_RECEIVER_SERVER, Checkout, ReadmeWorker, Receiver, Sweep, Worker
 
 # Durability as Postgres ships it (fsync and synchronous_commit on): the limit it measures is
 # the one production has. pg_stat_statements counts statements; the rest sizes the server
@@ -79,15 +79,17 @@ class WorkerFleet:
 
 
 class Stack:
-    """The whole stack as README runs it: the receiver (``gunicorn --workers 4``, sync), two
+    """The whole stack as README runs it: the receiver (``receiver_server``, 4 workers), two
     ``celery -A workers worker --concurrency 2`` (2 parents, 4 pool children) and the recovery
     sweep (``ledgerctl sweep --loop``), all of ``checkout``'s revision. ``start`` returns once
     every process is up; the workers consume from then on, which the caller's warm-up shows."""
 
     def __init__(self, env: Mapping[str, str], log_dir: Path, *, queue: str, label: str,
-                 checkout: Checkout = Checkout(), receiver_workers: int = 4, receiver_threads: int = 1,
+                 checkout: Checkout = Checkout(), receiver_server: str = DEFAULT_RECEIVER_SERVER,
+                 receiver_workers: int = 4, receiver_threads: int | None = None,
                  workers: int = 2, concurrency: int = 2):
-        self.receiver = checkout.adopt(Receiver(env, log_dir, workers=receiver_workers, threads=receiver_threads,
+        self.receiver = checkout.adopt(Receiver(env, log_dir, server=receiver_server, workers=receiver_workers,
+                                                threads=receiver_threads,
                                                 ready_path="/readyz", extra_args=("--backlog", "2048")))
         self.fleet = WorkerFleet(env, log_dir, count=workers, queue=queue, label=label, concurrency=concurrency,
                                  readme=True, checkout=checkout)

@@ -1,6 +1,6 @@
-"""Prometheus endpoints of real processes: the receiver (gunicorn, 2 workers), a Celery worker (prefork,
-2 children) and ``ledgerctl sweep --loop``, each with the series it promises and values that match what
-the test made happen.
+"""Prometheus endpoints of real processes: the receiver (2 workers, under each server README supports),
+a Celery worker (prefork, 2 children) and ``ledgerctl sweep --loop``, each with the series it promises
+and values that match what the test made happen.
 
 Every process runs in a process group of its own and is SIGKILLed with its group at teardown.
 """
@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from devkit.factories import body_of, event, sign
 from devkit.procs import free_port, wait_until
-from devkit.stack import Sweep
+from devkit.stack import SUPPORTED_RECEIVER_SERVERS, Sweep
 from tests.support.constants import WEBHOOK_SECRET
 from tests.support.outbox_handlers import outbox_with_every_state
 from tests.support.receiver import WakeupQueue, receiver_env
@@ -85,13 +85,14 @@ def start_sweep(tmp_path):
         sweep.kill()
 
 
+@pytest.mark.parametrize("server", SUPPORTED_RECEIVER_SERVERS)
 def test_the_receiver_counts_requests_duplicates_and_latency_across_its_workers(
-        broker_settings, start_receiver, tmp_path):
+        broker_settings, start_receiver, tmp_path, server):
     multiproc = tmp_path / "prometheus-receiver"
     multiproc.mkdir()
     receiver = start_receiver(receiver_env(broker_settings.database_url, broker_settings.broker_url, WEBHOOK_SECRET,
                                            LEDGER_QUEUE=broker_settings.queue_name,
-                                           PROMETHEUS_MULTIPROC_DIR=str(multiproc)), workers=2)
+                                           PROMETHEUS_MULTIPROC_DIR=str(multiproc)), server=server, workers=2)
     bodies = [body_of(event("test.effect", {"id": f"obj_{n}"}, created=int(time.time()))) for n in range(3)]
     for body in [*bodies, bodies[0]]:  # the last one: Stripe delivers the first event again
         answer = receiver.post(body.encode(), {"Stripe-Signature": sign(body, WEBHOOK_SECRET)})

@@ -1,16 +1,21 @@
-"""The real receiver, `gunicorn 'ingest.app:create_app()'` (devkit.stack.Receiver), as a subprocess."""
+"""The real receiver, ``ingest.app:create_app()`` under the servers README runs it with
+(devkit.stack.Receiver: gunicorn sync workers, README's command, and gthread workers), as a subprocess."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import subprocess
+import time
 
 import pytest
 
 from devkit.factories import sign
 from devkit.procs import run_together, signal_group
-from devkit.stack import Receiver, stack_env
+from devkit.stack import SUPPORTED_RECEIVER_SERVERS, Receiver, stack_env
 from tests.support.constants import WEBHOOK_SECRET
+from tests.support.raw_http import read_answer
 from tests.support.receiver import count_events, event_body, event_row, receiver_env
 
 COPIES = 20
@@ -43,8 +48,8 @@ def test_every_acknowledged_event_survives_a_kill_9_of_the_receiver_right_after_
 
 
 @pytest.mark.parametrize("worker_args", [
-    pytest.param({"workers": 4}, id="4 sync workers"),
-    pytest.param({"workers": 2, "threads": 10}, id="2x10 threads"),
+    pytest.param({"server": "gunicorn-sync", "workers": 4}, id="4 sync workers"),
+    pytest.param({"server": "gunicorn-gthread", "workers": 2, "threads": 10}, id="2x10 gthread threads"),
 ])
 def test_twenty_concurrent_deliveries_of_one_event_to_the_real_receiver_make_one_row(
         db, redis_url, start_receiver, worker_args):
@@ -83,3 +88,34 @@ def test_gunicorn_with_a_missing_secret_exits_nonzero_and_prints_the_configurati
     # Not as a traceback of ours. (gunicorn itself may print one when both workers fail to boot at
     # once: its halt reaps the second worker and raises HaltServer again. That is gunicorn's.)
     assert "ConfigError" not in output and "ingest/app.py" not in output and "ledger/config.py" not in output
+
+
+# compose's stop_grace_period for the receiver (docker-compose.yml): its server's graceful timeout and then some.
+GRACEFUL_S = 30
+
+
+@pytest.mark.parametrize("server", SUPPORTED_RECEIVER_SERVERS)
+def test_a_delivery_in_flight_when_the_receiver_gets_sigterm_completes_and_the_receiver_exits_0(
+        db, redis_url, start_receiver, server):
+    receiver = start_receiver(receiver_env(db, redis_url, WEBHOOK_SECRET), server=server, workers=2)
+    body = event_body().encode()
+    event_id = json.loads(body)["id"]
+    head = (b"POST /webhooks/stripe HTTP/1.1\r\nHost: receiver.test\r\nContent-Type: application/json\r\n"
+            b"Stripe-Signature: " + sign(body.decode(), WEBHOOK_SECRET).encode() + b"\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    client = socket.create_connection(("127.0.0.1", receiver.port), timeout=GRACEFUL_S)
+    try:
+        client.sendall(head + body[:-20])  # a worker is now reading this body
+        time.sleep(0.5)
+        # What `docker compose stop` does (init: true forwards it to the server's main process alone).
+        os.kill(receiver.pid, signal.SIGTERM)
+        time.sleep(1.0)  # the stop is under way, the delivery still in flight
+        assert receiver.alive, receiver.log(3000)
+        client.sendall(body[-20:])
+        answer = read_answer(client, GRACEFUL_S)
+    finally:
+        client.close()
+
+    assert answer.status == 200 and b'"outcome":"received"' in answer.raw, (answer, receiver.log(3000))
+    assert event_row(db, event_id)["status"] == "received"
+    assert receiver.proc.wait(timeout=GRACEFUL_S + 5) == 0, receiver.log(3000)
