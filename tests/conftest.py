@@ -14,6 +14,8 @@ has the fixtures both of those share.
 """
 from __future__ import annotations
 
+import time
+
 import psycopg
 import pytest
 
@@ -46,8 +48,18 @@ def truncate_all(url: str) -> None:
         tables = [r[0] for r in conn.execute(
             "SELECT format('%I.%I', schemaname, tablename) FROM pg_tables "
             "WHERE schemaname IN ('ledger', 'billing') AND tablename <> 'schema_migrations'")]
-        if tables:
-            conn.execute("TRUNCATE " + ", ".join(tables) + " CASCADE")
+        if not tables:
+            return
+        for attempt in range(1, 4):
+            try:
+                conn.execute("TRUNCATE " + ", ".join(tables) + " CASCADE")
+                return
+            except psycopg.errors.DeadlockDetected:
+                # A process the previous test stopped may still be finishing its last transaction: its
+                # row locks and TRUNCATE's table locks can meet in opposite orders. Postgres chose us.
+                if attempt == 3:
+                    raise
+                time.sleep(0.2 * attempt)
 
 
 @pytest.fixture
