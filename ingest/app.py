@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 class LedgerExtension:
     settings: Settings
     secrets: tuple[str, ...]
-    # The Connect endpoint's own secrets; empty: that endpoint answers 404.
+    # The Connect and thin endpoints' own secrets; empty: that endpoint answers 404.
     connect_secrets: tuple[str, ...]
+    thin_secrets: tuple[str, ...]
     store: EventStore
     waker: Waker
     pool: ProcessPool
@@ -51,7 +52,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     pool = ProcessPool(settings, name="ingest", statement_timeout_ms=settings.db_statement_timeout_ms)
     app.extensions["ledger"] = LedgerExtension(
-        settings=settings, secrets=secrets, connect_secrets=settings.connect_webhook_secrets, store=EventStore(pool),
+        settings=settings, secrets=secrets, connect_secrets=settings.connect_webhook_secrets,
+        thin_secrets=settings.thin_webhook_secrets, store=EventStore(pool),
         waker=Waker(make_celery(settings, publisher_only=True)), pool=pool)
     app.register_blueprint(webhooks_bp)
 

@@ -1,11 +1,16 @@
-"""POST /webhooks/stripe and /webhooks/stripe/connect: verify, record durably, wake a worker, answer.
+"""POST /webhooks/stripe, /webhooks/stripe/connect and /webhooks/stripe/thin: verify, record
+durably, wake a worker, answer.
 
-The answer is 2xx only after the row is committed; nothing here does business work.
-Each endpoint verifies with its own secrets only: the platform's endpoint with
-STRIPE_WEBHOOK_SECRET, the Connect endpoint (connected accounts' events, each naming
-its ``account``) with STRIPE_CONNECT_WEBHOOK_SECRET, so a secret leaked from one
-cannot sign for the other. An event of a mode the deployment does not accept
-(LEDGER_ACCEPT_LIVEMODE) is answered 400 and not recorded.
+The answer is 2xx only after the row is committed; nothing here does business work,
+and nothing here calls Stripe's API (a thin notification is recorded as it came; the
+worker fetches what it points at). Each endpoint verifies with its own secrets only:
+the platform's snapshot endpoint with STRIPE_WEBHOOK_SECRET, the Connect endpoint
+(connected accounts' events, each naming its ``account``) with
+STRIPE_CONNECT_WEBHOOK_SECRET, the thin endpoint (event destinations' thin
+notifications, of the platform or of connected accounts) with
+STRIPE_THIN_WEBHOOK_SECRET, so a secret leaked from one cannot sign for another. An
+event of a mode the deployment does not accept (LEDGER_ACCEPT_LIVEMODE) is answered
+400 and not recorded.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from flask import Blueprint, abort, current_app, jsonify, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from ingest import metrics
-from ingest.envelope import InvalidEvent, parse_event
+from ingest.envelope import InvalidEvent, parse_event, parse_notification
 from ingest.signature import InvalidSignature, verify
 from ledger.errors import DatabaseUnavailable
 
@@ -79,23 +84,41 @@ def _read_body(max_bytes: int) -> bytes | None:
     return body
 
 
+# Each endpoint answers 404, as if it did not exist, while its secret list is empty.
+
 @bp.post("/webhooks/stripe")
 def receive_stripe_event():
-    """The platform account's endpoint."""
-    ext = current_app.extensions["ledger"]
-    return _receive(ext, ext.secrets, connect=False)
+    """The platform account's snapshot endpoint (STRIPE_WEBHOOK_SECRET; a receiver of thin notifications
+    only leaves it unset)."""
+    return _receive("secrets", parse_event)
 
 
 @bp.post("/webhooks/stripe/connect")
 def receive_connect_event():
-    """The Connect endpoint: 404 while STRIPE_CONNECT_WEBHOOK_SECRET is unset, as if it did not exist."""
+    """The Connect endpoint (STRIPE_CONNECT_WEBHOOK_SECRET)."""
+    return _receive("connect_secrets", _parse_connect_event)
+
+
+@bp.post("/webhooks/stripe/thin")
+def receive_thin_notification():
+    """The thin endpoint: event destinations with thin payloads (STRIPE_THIN_WEBHOOK_SECRET)."""
+    return _receive("thin_secrets", parse_notification)
+
+
+def _parse_connect_event(body: bytes):
+    event = parse_event(body)
+    if event.account is None:
+        # Applied without it, a connected account's objects would land among the platform's.
+        raise InvalidEvent("'account' is required at the Connect endpoint: it names the connected account")
+    return event
+
+
+def _receive(secrets_of: str, parse):
+    """``secrets_of``: the LedgerExtension field of the endpoint's secrets; ``parse``: its body's parser."""
     ext = current_app.extensions["ledger"]
-    if not ext.connect_secrets:
+    secrets: tuple[str, ...] = getattr(ext, secrets_of)
+    if not secrets:
         abort(404)
-    return _receive(ext, ext.connect_secrets, connect=True)
-
-
-def _receive(ext, secrets: tuple[str, ...], *, connect: bool):
     started = time.perf_counter()
     body = _read_body(ext.settings.max_body_bytes)  # past max_body_bytes this raises 413
     if body is None:
@@ -103,10 +126,7 @@ def _receive(ext, secrets: tuple[str, ...], *, connect: bool):
                        error="the request body could not be read whole: it ended early or its framing is invalid")
     try:
         verify(body, request.headers.get("Stripe-Signature"), secrets, ext.settings.signature_tolerance_s)
-        event = parse_event(body)
-        if connect and event.account is None:
-            # Applied without it, a connected account's objects would land among the platform's.
-            raise InvalidEvent("'account' is required at the Connect endpoint: it names the connected account")
+        event = parse(body)
     except InvalidSignature as exc:
         return _answer(400, "invalid_signature", started, error=str(exc))
     except InvalidEvent as exc:

@@ -6,6 +6,7 @@ the variable, before the process serves anything.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -24,15 +25,21 @@ class Settings:
     broker_url: str = "redis://localhost:6379/0"
     # Several secrets may be valid at once so a secret can be rolled without downtime.
     # Each endpoint verifies with its own list only: /webhooks/stripe with webhook_secrets,
-    # /webhooks/stripe/connect (answered 404 while its list is empty) with connect_webhook_secrets.
+    # /webhooks/stripe/connect with connect_webhook_secrets, /webhooks/stripe/thin (thin event
+    # notifications of event destinations) with thin_webhook_secrets; the last two answer 404 while
+    # their list is empty.
     webhook_secrets: tuple[str, ...] = ()
     connect_webhook_secrets: tuple[str, ...] = ()
+    thin_webhook_secrets: tuple[str, ...] = ()
     # Events of the other mode are refused by the receiver (400 livemode_not_accepted).
     accept_livemode: str = "both"
     stripe_api_key: str | None = field(default=None, repr=False)
     stripe_api_base: str = "https://api.stripe.com"
     # Periodic catch-up in the sweep loop, every this many seconds; 0 = off.
     catchup_interval_s: float = 0.0
+    # Workers: one request for what a thin notification points at. A failed fetch is not waited
+    # out inside the attempt (which holds a lease): it fails the attempt, retried on our schedule.
+    stripe_fetch_timeout_s: float = 10.0
     signature_tolerance_s: int = 300
     max_body_bytes: int = 1024 * 1024
     # Receiver: how long a request may wait for a pooled connection / the INSERT.
@@ -77,8 +84,12 @@ class Settings:
         return self.accept_livemode == "both" or self.accept_livemode == ("live" if livemode else "test")
 
     def require_webhook_secrets(self) -> tuple[str, ...]:
-        if not self.webhook_secrets:
-            raise ConfigError("STRIPE_WEBHOOK_SECRET is not set: the receiver cannot verify signatures")
+        """The snapshot endpoint's secrets. A deployment that takes thin notifications only may leave
+        STRIPE_WEBHOOK_SECRET unset (its /webhooks/stripe then answers 404); one with neither cannot verify
+        anything."""
+        if not self.webhook_secrets and not self.thin_webhook_secrets:
+            raise ConfigError("STRIPE_WEBHOOK_SECRET is not set: the receiver cannot verify signatures "
+                              "(a receiver of thin events only sets STRIPE_THIN_WEBHOOK_SECRET instead)")
         return self.webhook_secrets
 
     @classmethod
@@ -90,10 +101,13 @@ class Settings:
             broker_url=_url(env, "CELERY_BROKER_URL", defaults.broker_url, _BROKER_SCHEMES),
             webhook_secrets=_secrets(env, "STRIPE_WEBHOOK_SECRET"),
             connect_webhook_secrets=_secrets(env, "STRIPE_CONNECT_WEBHOOK_SECRET"),
+            thin_webhook_secrets=_secrets(env, "STRIPE_THIN_WEBHOOK_SECRET"),
             accept_livemode=_choice(env, "LEDGER_ACCEPT_LIVEMODE", defaults.accept_livemode, ACCEPT_LIVEMODE),
             stripe_api_key=env.get("STRIPE_API_KEY") or None,
             stripe_api_base=_optional_http_url(env, "STRIPE_API_BASE") or defaults.stripe_api_base,
             catchup_interval_s=_number(env, "LEDGER_CATCHUP_INTERVAL_S", defaults.catchup_interval_s, float, minimum=0),
+            stripe_fetch_timeout_s=_number(env, "STRIPE_FETCH_TIMEOUT_S", defaults.stripe_fetch_timeout_s, float,
+                                           minimum=0.1),
             signature_tolerance_s=_number(env, "STRIPE_SIGNATURE_TOLERANCE_S", defaults.signature_tolerance_s, int, minimum=1),
             max_body_bytes=_number(env, "INGEST_MAX_BODY_BYTES", defaults.max_body_bytes, int, minimum=1024),
             db_pool_timeout_s=_number(env, "DB_POOL_TIMEOUT_S", defaults.db_pool_timeout_s, float, minimum=0.1),
@@ -186,6 +200,7 @@ def _number(env: Mapping[str, str], name: str, default, kind, minimum):
         value = kind(raw)
     except ValueError:
         raise ConfigError(f"{name} must be a{'n integer' if kind is int else ' number'}, got {raw!r}") from None
-    if value < minimum:
-        raise ConfigError(f"{name} must be at least {minimum}, got {raw!r}")
+    if not math.isfinite(value) or value < minimum:
+        # nan compares false with everything: it would pass a bare minimum check.
+        raise ConfigError(f"{name} must be a finite number of at least {minimum}, got {raw!r}")
     return value

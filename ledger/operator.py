@@ -55,6 +55,10 @@ class OperatorLedger:
                 **{k: unfinished[k] for k in ("unfinished", "due_retries", "scheduled_retries",
                                               "expired_leases", "in_progress")}}
 
+    def health_alerts(self, limit: int) -> list[dict[str, Any]]:
+        """Stripe's event generation failures (ledger.health_alerts), newest first."""
+        return self._all(SQL.health_alerts_recent, {"limit": limit})
+
     def list_events(self, where: EventFilter, limit: int) -> list[dict[str, Any]]:
         return self._all(SQL.events_list, {**where.params(), "limit": limit})
 

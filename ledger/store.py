@@ -27,10 +27,11 @@ from ledger.statements import run_statement
 
 @dataclass(frozen=True)
 class IncomingEvent:
-    """A verified Stripe event envelope, as the receiver records it."""
+    """A verified Stripe event envelope (a snapshot event, or a thin event notification), as the
+    receiver records it."""
     id: str
     type: str
-    created: int
+    created: float  # unix seconds: whole for snapshot events, to the millisecond for thin notifications
     livemode: bool
     api_version: str | None
     account: str | None

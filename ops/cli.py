@@ -629,6 +629,55 @@ def outbox_replay(obj: _Context, outbox_ids, bulk_status, effect_glob, force, dr
     sys.exit(1 if skipped or not ids else 0)
 
 
+@cli.command()
+@json_option
+@click.pass_obj
+def handlers(obj: _Context, as_json: bool):
+    """Every registered handler pattern, in the order handlers run, with the fields the handler requires.
+
+    The registry a worker with this environment loads (LEDGER_HANDLER_MODULES, entry points). An event
+    lacking a required field ends failed_permanent / unmappable_payload; "a or b": either one will do.
+    """
+    from workers.handlers import describe, handler_name
+    from workers.registry import load_handlers
+
+    try:
+        registry = load_handlers(obj.settings)
+    except ImportError as exc:  # what a worker would die of at start-up: one line, not a traceback
+        click.echo(f"error: a handler module cannot be imported: {exc}", err=True)
+        sys.exit(2)
+    rows = [{"pattern": entry.pattern,
+             "handler": f"{getattr(entry.handler, '__module__', None) or type(entry.handler).__module__}."
+                        f"{handler_name(entry.handler)}",
+             "requires": [r if isinstance(r, str) else list(r) for r in entry.requires],
+             "shown": ", ".join(describe(r) for r in entry.requires) or "-"}
+            for entry in registry.entries()]
+    if as_json:
+        _echo_json([{k: v for k, v in row.items() if k != "shown"} for row in rows])
+    else:
+        _table([{**row, "requires": row["shown"]} for row in rows], ["pattern", "handler", "requires"])
+
+
+@cli.command()
+@click.option("--limit", type=click.IntRange(1, 10000), default=50, show_default=True)
+@json_option
+@click.pass_obj
+def health(obj: _Context, limit: int, as_json: bool):
+    """Stripe's health alerts: events Stripe failed to generate, and what the workers did about each.
+
+    repair: applied (the object was refetched and applied), object_not_found (Stripe no longer has
+    it), unsupported_object_type (the workers cannot fetch that type: look at the object in the Dashboard
+    and repair what depends on it by hand).
+    """
+    rows = obj.operator.health_alerts(limit)
+    if as_json:
+        _echo_json(rows)
+        return
+    _table([{**row, "account": row["account"] or "-"} for row in rows],
+           ["recorded_at", "failed_event_type", "related_object_type", "related_object_id", "account", "repair",
+            "event_id"])
+
+
 @cli.command("send-test-event")
 @click.option("--url", default="http://127.0.0.1:8000/webhooks/stripe", show_default=True,
               help="The receiver's webhook URL.")
@@ -646,7 +695,10 @@ def send_test_event(obj: _Context, url: str, path: str | None, print_curl: bool)
 
     import stripe
 
-    secret = obj.settings.require_webhook_secrets()[-1]
+    secrets_ = obj.settings.require_webhook_secrets()
+    if not secrets_:
+        raise click.UsageError("STRIPE_WEBHOOK_SECRET is not set: send-test-event signs a snapshot event with it")
+    secret = secrets_[-1]
     if path:
         with open(path, encoding="utf-8") as fh:
             body = fh.read()

@@ -16,6 +16,7 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 from ledger.errors import LedgerError
+from workers.stripe_api import StripeApiError
 
 
 class Kind(StrEnum):
@@ -49,7 +50,7 @@ class Failure:
     reason: str
     error_class: str
     message: str
-    # The other side's Retry-After (an effect's receiver): a retry waits at least this long.
+    # The other side's Retry-After (an effect's receiver, Stripe's API): a retry waits at least this long.
     retry_after_s: float | None = None
 
 
@@ -75,6 +76,8 @@ def classify(exc: BaseException) -> Failure:
         return Failure(Kind.PERMANENT, exc.reason, name, str(exc))
     if isinstance(exc, TransientError):
         return Failure(Kind.RECOVERABLE, "transient", name, str(exc))
+    if isinstance(exc, StripeApiError):
+        return _classify_api(exc)
     if isinstance(exc, PoolTimeout):
         return Failure(Kind.RECOVERABLE, "db_unavailable", name, "no database connection in time")
     if isinstance(exc, psycopg.Error):
@@ -114,6 +117,20 @@ def _classify_sql(exc: psycopg.Error) -> Failure:
     if isinstance(exc, psycopg.OperationalError):  # connection lost: no SQLSTATE at all
         return Failure(Kind.RECOVERABLE, "db_connection", name, message)
     return Failure(Kind.RECOVERABLE, "db_error", name, message)
+
+
+# Stripe's refusals of a fetch (a thin notification's object or event) that no retry can change.
+_API_PERMANENT = {404: "stripe_object_not_found", 401: "stripe_api_unauthorized", 403: "stripe_api_forbidden"}
+
+
+def _classify_api(exc: StripeApiError) -> Failure:
+    """A call to Stripe's API (workers/stripe_api.py says which are recoverable): a 429, a 5xx, a
+    timeout or a lost connection waits at least Stripe's Retry-After; a 404 or a refused key is
+    permanent. The message names the path and status, never the key."""
+    name = type(exc).__name__
+    if exc.recoverable:
+        return Failure(Kind.RECOVERABLE, f"stripe_api_{exc.reason}", name, str(exc), retry_after_s=exc.retry_after_s)
+    return Failure(Kind.PERMANENT, _API_PERMANENT.get(exc.status, "stripe_api_rejected"), name, str(exc))
 
 
 def _is_broker_error(exc: BaseException) -> bool:

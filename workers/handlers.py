@@ -1,5 +1,6 @@
 """Handlers: what one gets (``ApplyContext``), how a module declares its own
-(``@handler``), and how they are matched to an event type (``HandlerRegistry``).
+(``@handler``), the fields each requires, and how they are matched to an event
+type (``HandlerRegistry``).
 
 No handler state lives here: ``@handler`` records a declaration in the module
 that makes it, and workers.registry builds a fresh registry from the modules it
@@ -8,15 +9,17 @@ loads. How to write and load a handler module: see workers.registry.
 from __future__ import annotations
 
 import fnmatch
+import logging
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Union
 
 import psycopg
 
 from ledger.outbox import record
+from workers.failures import UnmappablePayload
 
 
 @dataclass(frozen=True)
@@ -33,10 +36,26 @@ class ApplyContext:
     # Effects a sender is configured for; ids of the effects this attempt recorded.
     enabled_effects: frozenset[str] = frozenset()
     emitted: list[int] = field(default_factory=list)
+    # What handlers asked to run once this attempt's writes are committed (see on_commit).
+    _after_commit: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     @property
     def object(self) -> dict[str, Any]:
         return self.event["data"]["object"]
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` after this attempt's transaction commits (a log line, a metric), never if it rolls back.
+        It runs in the worker once; an exception it raises is logged and does not undo the commit."""
+        self._after_commit.append(fn)
+
+    def run_after_commit(self) -> None:
+        """The worker's, after COMMIT: every ``on_commit`` function, in order."""
+        for fn in self._after_commit:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - the attempt committed: nothing of it can be undone now
+                logging.getLogger(__name__).exception("a handler's after-commit function failed",
+                                                      extra={"event_id": self.event_id})
 
     def emit(self, effect: str, payload: dict[str, Any], *, key: str | None = None,
              ordering_key: str | None = None, if_configured: bool = False) -> int | None:
@@ -58,12 +77,60 @@ class ApplyContext:
 
 Handler = Callable[[ApplyContext], None]
 
+# A dotted path into the event ("data.object.customer"), or a tuple of alternative paths: any one present meets it.
+Requirement = Union[str, tuple[str, ...]]
+
+
+class Registration(NamedTuple):
+    """One pattern of one handler, and what the handler requires of an event it takes."""
+    pattern: str
+    handler: Handler
+    requires: tuple[Requirement, ...] = ()
+
+
 # Where a module's @handler declarations are kept: in the module's own namespace.
 _DECLARED = "__ledger_handlers__"
+# A v2 event (thin, e.g. v2.core.health.*) carries no v1 object: only patterns of its own namespace take it.
+_V2 = "v2."
 
 
-def handler(*patterns: str) -> Callable[[Handler], Handler]:
-    """Declare the decorated function a handler of ``patterns`` (exact types or globs).
+def alternatives(requirement: Requirement) -> tuple[str, ...]:
+    """The paths of a requirement, checked: each one a dotted path of non-empty keys."""
+    paths = (requirement,) if isinstance(requirement, str) else (
+        tuple(requirement) if isinstance(requirement, (tuple, list)) else ())
+    if not paths or not all(isinstance(p, str) and p and all(p.split(".")) for p in paths):
+        raise ValueError(f"a requirement is a dotted path or a tuple of them, not {requirement!r}")
+    return paths
+
+
+def describe(requirement: Requirement) -> str:
+    """How messages and listings name a requirement: its paths joined by " or "."""
+    return " or ".join(alternatives(requirement))
+
+
+def value_at(data: Any, path: str) -> Any:
+    """The value at a dotted path (each key into a mapping), or None where the path does not lead."""
+    for key in path.split("."):
+        if not isinstance(data, Mapping):
+            return None
+        data = data.get(key)
+    return data
+
+
+def is_present(data: Any, path: str) -> bool:
+    """Present: every key of the path exists and the value is neither None nor "". Stripe sends a field a
+    version does not fill as null, so null counts as absent; an empty list or object is a value."""
+    value = value_at(data, path)
+    return value is not None and value != ""
+
+
+def handler_name(fn: Handler) -> str:
+    """A handler's name: a function's, or the class of a callable instance (SubscriptionHandler)."""
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+
+def handler(*patterns: str, requires: Iterable[Requirement] = ()) -> Callable[[Handler], Handler]:
+    """Declare the decorated function a handler of ``patterns`` (exact types or globs) that needs ``requires``.
 
     The declaration is kept by the module that makes it (found as
     ``collections.namedtuple`` finds its caller), so ``handler("invoice.paid")(fn)``
@@ -71,40 +138,92 @@ def handler(*patterns: str) -> Callable[[Handler], Handler]:
     workers.registry loads the module.
     """
     declared = sys._getframe(1).f_globals.setdefault(_DECLARED, [])
+    needed = _requirements(requires)
 
     def declare(fn: Handler) -> Handler:
-        declared.extend((pattern, fn) for pattern in patterns)
+        declared.extend(Registration(pattern, fn, needed) for pattern in patterns)
         return fn
     return declare
 
 
-def declared_in(module: ModuleType) -> list[tuple[str, Handler]]:
-    """The (pattern, handler) pairs ``module`` declared with @handler, in declaration order."""
+def declared_in(module: ModuleType) -> list[Registration]:
+    """What ``module`` declared with @handler, in declaration order."""
     return list(vars(module).get(_DECLARED, ()))
+
+
+def _requirements(requires: Iterable[Requirement]) -> tuple[Requirement, ...]:
+    if isinstance(requires, str):
+        raise TypeError("requires is a list of requirements: requires=[\"data.object.id\"], not a bare path")
+    needed = []
+    for requirement in requires:
+        paths = alternatives(requirement)  # a malformed one is refused when declared, not at the first event
+        needed.append(requirement if isinstance(requirement, str) else paths)
+    return tuple(needed)
+
+
+def _matches(event_type: str, pattern: str) -> bool:
+    if event_type.startswith(_V2) and not pattern.startswith(_V2):
+        return False  # neither "*" nor any other wildcard takes a v2 event (workers.registry)
+    return fnmatch.fnmatchcase(event_type, pattern)
 
 
 class HandlerRegistry:
     def __init__(self):
-        self._entries: list[tuple[str, Handler]] = []
+        self._entries: list[Registration] = []
 
-    def register(self, pattern: str, fn: Handler) -> Handler:
-        if (pattern, fn) not in self._entries:
-            self._entries.append((pattern, fn))
+    def register(self, pattern: str, fn: Handler, requires: Iterable[Requirement] = ()) -> Handler:
+        """Add ``fn`` for ``pattern``. The same pair registered again keeps one entry, which gains the
+        requirements it did not have."""
+        needed = _requirements(requires)
+        for index, entry in enumerate(self._entries):
+            if entry.pattern == pattern and entry.handler == fn:
+                added = tuple(r for r in needed if r not in entry.requires)
+                self._entries[index] = entry._replace(requires=entry.requires + added)
+                return fn
+        self._entries.append(Registration(pattern, fn, needed))
         return fn
 
-    def handler(self, *patterns: str) -> Callable[[Handler], Handler]:
+    def handler(self, *patterns: str, requires: Iterable[Requirement] = ()) -> Callable[[Handler], Handler]:
+        needed = _requirements(requires)
+
         def decorate(fn: Handler) -> Handler:
             for pattern in patterns:
-                self.register(pattern, fn)
+                self.register(pattern, fn, needed)
             return fn
         return decorate
 
     def resolve(self, event_type: str) -> list[Handler]:
-        found: list[Handler] = []
-        for pattern, fn in self._entries:
-            if fnmatch.fnmatchcase(event_type, pattern) and fn not in found:
-                found.append(fn)
-        return found
+        """Every handler one of whose patterns matches, once each, in registration order."""
+        return [fn for fn, _ in self.requirements(event_type)]
+
+    def requirements(self, event_type: str) -> list[tuple[Handler, tuple[Requirement, ...]]]:
+        """The handlers ``resolve`` returns, each with what it requires of an event of this type
+        (the requirements of every pattern through which it matches)."""
+        order: list[tuple[Handler, list[Requirement]]] = []
+        for pattern, fn, requires in self._entries:
+            if not _matches(event_type, pattern):
+                continue
+            slot = next((s for s in order if s[0] == fn), None)
+            if slot is None:
+                slot = (fn, [])
+                order.append(slot)
+            slot[1].extend(r for r in requires if r not in slot[1])
+        return [(fn, tuple(requires)) for fn, requires in order]
+
+    def check_required(self, event_type: str, event: Mapping[str, Any], api_version: str | None) -> None:
+        """Raise UnmappablePayload for the first requirement, of the handlers in order, that ``event`` does
+        not meet (see ``is_present``); before any handler runs, so a refused event writes nothing."""
+        for fn, requires in self.requirements(event_type):
+            for requirement in requires:
+                if not any(is_present(event, path) for path in alternatives(requirement)):
+                    raise UnmappablePayload(
+                        describe(requirement),
+                        f"is missing: {handler_name(fn)} requires it (event at API version "
+                        f"{api_version or 'unknown'}); a replay after an upgrade re-applies it")
+
+    def entries(self) -> list[Registration]:
+        """Every registration, in order (what ``ledgerctl handlers`` lists)."""
+        return list(self._entries)
 
     def patterns(self) -> list[str]:
-        return [pattern for pattern, _ in self._entries]
+        return [entry.pattern for entry in self._entries]

@@ -37,6 +37,12 @@ STRIPE_API_RETRIES = Counter("stripe_api_retries_total", "Stripe API requests tr
 CATCHUP_MISSED = Counter("catchup_missed_events_total",
                          "Events catch-up found that no webhook had delivered, by event type", ["type"])
 
+# Alert on any increase: Stripe failed to generate an event (v2.core.health.event_generation_failure.resolved);
+# repair says whether the worker refetched and applied the object (applied) or an operator must look.
+HEALTH_ALERTS = Counter("stripe_health_alerts_total",
+                        "Stripe event generation failures recorded, by the failed event type and repair",
+                        ["failed_type", "repair"])
+
 
 class LedgerCollector:
     """Gauges read from ledger.events at scrape time (only the small unfinished set, plus status counts)."""

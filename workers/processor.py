@@ -12,6 +12,11 @@ fenced and finished per event, a failing one rolled back alone), and after the
 COMMIT each attempt is concluded on its own by workers.attempt's rules, its failure
 recorded and its wake-ups sent.
 
+A thin event notification is fetched first (workers/thin.py: the object or the v2 event
+it points at), after the claim and before the apply transaction opens, so no transaction
+or pooled connection waits on Stripe; a failed fetch is the attempt's failure, classified
+like any other. A batch fetches its thin members before its one transaction.
+
 The Celery task is a thin shell around ``process`` and ``process_batch``
 (workers/tasks.py, workers/batching.py); this module knows nothing about Celery,
 so tests and ``ledgerctl`` can drive it directly.
@@ -33,11 +38,12 @@ from ledger.config import Settings
 from ledger.errors import LeaseLost
 from ledger.states import EventStatus
 from ledger.store import BatchApply, BatchLost, Claim, FailureRecord, WorkerLedger
-from workers import metrics
+from workers import metrics, thin
 from workers.attempt import LeasedWork, outcomes
 from workers.failures import Failure, Kind, classify
 from workers.handlers import ApplyContext, HandlerRegistry
 from workers.retry import RetryPolicy
+from workers.thin import Applied, ThinFetcher
 from workers.wakeup import Waker
 
 log = logging.getLogger(__name__)
@@ -57,6 +63,9 @@ class EventProcessor(LeasedWork):
     enabled_effects: frozenset[str] = frozenset()
     # host:pid of the process that runs the attempt (read when built, i.e. after fork).
     worker_name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    # What thin notifications point at, fetched from Stripe's API (None: a thin notification fails
+    # permanently, stripe_api_key_missing).
+    fetcher: ThinFetcher | None = None
 
     status = EventStatus
     finished = EventStatus.PROCESSED
@@ -67,7 +76,7 @@ class EventProcessor(LeasedWork):
     def from_settings(cls, settings: Settings, ledger: WorkerLedger, registry: HandlerRegistry,
                       waker: Waker | None, enabled_effects: frozenset[str] = frozenset()) -> "EventProcessor":
         return cls(ledger=ledger, registry=registry, policy=RetryPolicy.from_settings(settings), waker=waker,
-                   lease_s=settings.lease_s, enabled_effects=enabled_effects)
+                   lease_s=settings.lease_s, enabled_effects=enabled_effects, fetcher=ThinFetcher(settings))
 
     def process(self, event_id: str) -> Outcome:
         claim = self.ledger.claim(event_id, worker=self.worker_name, lease_s=self.lease_s)
@@ -106,26 +115,30 @@ class EventProcessor(LeasedWork):
         """The work of a batch: every claim's result (as ``_conclude`` takes it) once the batch's
         transaction has ended; the wake-ups of the effects it committed are sent."""
         results: dict[str, Failure | LeaseLost | None] = {}
-        to_apply = []
+        to_apply: list[tuple[Claim, Applied]] = []
         for claim in claims:
             if claim.rescued:
                 metrics.LEASE_RESCUES.inc()
             refused = self._refused(claim)
             if refused is not None:
                 results[claim.event_id] = refused
+                continue
+            fetched = self._fetch(claim)  # before the batch's transaction opens
+            if isinstance(fetched, Failure):
+                results[claim.event_id] = fetched
             else:
-                to_apply.append(claim)
+                to_apply.append((claim, fetched))
         if not to_apply:
             return results
         applied: list[ApplyContext] = []
         try:
             with self.ledger.applying_batch() as batch:
                 out_of_time: Failure | None = None
-                for claim in to_apply:
+                for claim, event in to_apply:
                     if out_of_time is not None:
                         results[claim.event_id] = out_of_time
                         continue
-                    result = self._apply_member(batch, claim)
+                    result = self._apply_member(batch, claim, event)
                     if isinstance(result, ApplyContext):
                         applied.append(result)
                         continue
@@ -136,18 +149,18 @@ class EventProcessor(LeasedWork):
                             result, message="the batch reached its time limit before this event was applied")
         except Exception as exc:  # the transaction as a whole (COMMIT, the connection): nothing of it committed
             failure = _batch_failure(exc)
-            for claim in to_apply:
+            for claim, _ in to_apply:
                 results.setdefault(claim.event_id, failure)
             return results
         for context in applied:
             results[context.event_id] = None
-            self._wake_effects(context)
+            self._after_commit(context)
         return results
 
-    def _apply_member(self, batch: BatchApply, claim: Claim) -> ApplyContext | Failure | LeaseLost:
+    def _apply_member(self, batch: BatchApply, claim: Claim, event: Applied) -> ApplyContext | Failure | LeaseLost:
         try:
             with batch.member(claim) as conn:
-                return self._run_handlers(conn, claim)
+                return self._run_handlers(conn, claim, event)
         except BatchLost:
             raise  # the batch's, not this member's: _apply_batch fails every member with it
         except LeaseLost as lost:
@@ -160,37 +173,56 @@ class EventProcessor(LeasedWork):
         return Outcome.NOT_CLAIMED
 
     def _refusal(self, claim: Claim) -> Failure | None:
-        if not self.registry.resolve(claim.type):
-            # Decided before any business write: no handler, nothing to retry.
+        if not self.registry.resolve(thin.handler_type(claim.type)):
+            # Decided before any business write or API call: no handler, nothing to retry.
             return Failure(Kind.PERMANENT, "unsupported_type", "UnsupportedType",
                            f"no handler for event type {claim.type}")
         return None
 
     def _work(self, claim: Claim) -> Failure | None:
+        event = self._fetch(claim)
+        if isinstance(event, Failure):
+            return event
         try:
             with self.ledger.applying(claim) as conn:
-                context = self._run_handlers(conn, claim)
+                context = self._run_handlers(conn, claim, event)
         except LeaseLost:
             raise
         except Exception as exc:  # classified right here, where it is caught
             return classify(exc)
-        self._wake_effects(context)
+        self._after_commit(context)
         return None
 
-    def _run_handlers(self, conn: psycopg.Connection, claim: Claim) -> ApplyContext:
-        """Every handler of the event's type, in order, on the apply transaction's connection."""
-        context = ApplyContext(conn=conn, event_id=claim.event_id, event_type=claim.type, created=claim.created,
-                               livemode=claim.livemode, account=claim.account, event=claim.payload,
+    def _fetch(self, claim: Claim) -> Applied | Failure:
+        """The event the claim's handlers take: a snapshot event as delivered, a thin notification's
+        object or v2 event fetched now (no transaction is open); a failed fetch, classified."""
+        if not thin.is_thin(claim.payload):
+            return thin.applied(claim)
+        try:
+            if self.fetcher is None:
+                raise thin.MissingStripeKey()
+            return self.fetcher.fetch(claim)
+        except Exception as exc:  # classified right here, where it is caught
+            return classify(exc)
+
+    def _run_handlers(self, conn: psycopg.Connection, claim: Claim, event: Applied) -> ApplyContext:
+        """Every handler of the event's type, in order, on the apply transaction's connection, once the
+        fields they require are known to be there (an event missing one writes nothing)."""
+        self.registry.check_required(event.type, event.event, event.event.get("api_version") or claim.api_version)
+        context = ApplyContext(conn=conn, event_id=claim.event_id, event_type=event.type, created=claim.created,
+                               livemode=claim.livemode, account=claim.account, event=event.event,
                                attempt=claim.attempt, enabled_effects=self.enabled_effects)
-        for handle in self.registry.resolve(claim.type):
+        for handle in self.registry.resolve(event.type):
             handle(context)
         return context
 
-    def _wake_effects(self, context: ApplyContext) -> None:
+    def _after_commit(self, context: ApplyContext) -> None:
+        """What the committed attempt announces: its effects' wake-ups (a lost one is re-driven by the
+        sweep), then what its handlers asked to run once their writes are visible."""
         if self.waker is not None:
-            # After COMMIT: the effects exist; a lost wake-up is re-driven by the sweep.
             for outbox_id in context.emitted:
                 self.waker.wake_effect(outbox_id)
+        context.run_after_commit()
 
     def _record_failure(self, claim: Claim, record: FailureRecord) -> None:
         self.ledger.fail(claim, record)

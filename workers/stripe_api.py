@@ -81,11 +81,14 @@ COLLECTIONS: dict[str, Collection] = {c.name: c for c in (
 class StripeApiError(LedgerError):
     """A call that did not succeed; ``recoverable`` says whether trying later may help."""
 
-    def __init__(self, message: str, *, status: int | None = None, recoverable: bool, reason: str):
+    def __init__(self, message: str, *, status: int | None = None, recoverable: bool, reason: str,
+                 retry_after_s: float | None = None):
         super().__init__(message)
         self.status = status
         self.recoverable = recoverable
         self.reason = reason
+        # Stripe's Retry-After on the answer that failed: the least a later try should wait.
+        self.retry_after_s = retry_after_s
 
 
 class PermanentApiError(StripeApiError):
@@ -98,8 +101,8 @@ class PermanentApiError(StripeApiError):
 class RetriesExhausted(StripeApiError):
     """Every attempt the rule allows failed recoverably (or Stripe asked to wait longer than the cap)."""
 
-    def __init__(self, message: str, *, status: int | None, reason: str):
-        super().__init__(message, status=status, recoverable=True, reason=reason)
+    def __init__(self, message: str, *, status: int | None, reason: str, retry_after_s: float | None = None):
+        super().__init__(message, status=status, recoverable=True, reason=reason, retry_after_s=retry_after_s)
 
 
 @dataclass(frozen=True)
@@ -161,10 +164,13 @@ class StripeApi:
                                            http_client=self._http)
 
     def get(self, path: str, params: Mapping[str, Any] | None = None, *,
-            account: str | None = None) -> tuple[dict[str, Any], datetime]:
+            account: str | None = None, context: str | None = None) -> tuple[dict[str, Any], datetime]:
         """GET ``path`` under the retry rule: the decoded answer, and the time its objects are as new as
-        (when the request that succeeded was sent, less CLOCK_MARGIN)."""
+        (when the request that succeeded was sent, less CLOCK_MARGIN). ``context`` is a thin event's
+        (the Stripe-Context header, which also reaches v2 paths), ``account`` the Stripe-Account header."""
         options = {"stripe_account": account} if account else {}
+        if context:
+            options["stripe_context"] = context
         failures = 0
         while True:
             sent_at = datetime.now(timezone.utc)
@@ -180,7 +186,7 @@ class StripeApi:
                 why_not = self.rule.gives_up(failures, retry_after)
                 if why_not:
                     raise RetriesExhausted(f"{failure}; {why_not}", status=failure.status,
-                                           reason=failure.reason) from None
+                                           reason=failure.reason, retry_after_s=retry_after) from None
                 delay = self.rule.delay_s(failures, retry_after, self._rng)
                 metrics.STRIPE_API_RETRIES.labels(failure.reason).inc()
                 log.warning("Stripe API call failed; retrying", extra={
@@ -211,10 +217,11 @@ class StripeApi:
         """The pages of one collection (with the parameters it always needs)."""
         return self.pages(collection.path, {**collection.list_params, **dict(params or {})}, account=account)
 
-    def retrieve(self, path: str, object_id: str, *, account: str | None = None) -> tuple[dict | None, datetime]:
+    def retrieve(self, path: str, object_id: str, *, account: str | None = None,
+                 context: str | None = None) -> tuple[dict | None, datetime]:
         """One object by id (None when Stripe answers 404: it does not exist, or no longer)."""
         try:
-            return self.get(f"{path}/{object_id}", account=account)
+            return self.get(f"{path}/{object_id}", account=account, context=context)
         except PermanentApiError as exc:
             if exc.status == 404:
                 return None, datetime.now(timezone.utc) - CLOCK_MARGIN

@@ -17,7 +17,7 @@ In process::
         fake.advance(86400); fake.now                # move the frozen clock; read it
         fake.requests                                # [Request(method, path, query, account, status), ...]
         fake.clear_requests(); fake.clear_faults(); fake.reset()
-        fake.add_v2_event(thin_event)                # served at /v2/core/events/{id}
+        fake.add_v2_event(factories.v2_event(n))     # served at /v2/core/events/{id}; account defaults to its context
 
 ``retry_after`` may be a fraction of a second so tests stay fast (Stripe itself sends whole seconds).
 
@@ -39,8 +39,10 @@ Control endpoints (JSON bodies; ``account`` null = the platform):
     GET|POST /_fake/clock {"now": ts|null} or {"advance": seconds}
     GET /_fake/requests   POST /_fake/requests/clear   POST /_fake/reset
 
-Stripe API served (GET only, ``Authorization: Bearer <api_key>`` or 401; ``Stripe-Account: acct_...``
-selects a connected account's state, each account sees only its own events and objects):
+Stripe API served (GET only, ``Authorization: Bearer <api_key>`` or 401). ``Stripe-Account: acct_...``
+or ``Stripe-Context: acct_...`` (what stripe-python sends for ``stripe_context``, as workers do for a
+thin notification's ``context``) selects a connected account's state; each account sees only its own
+events, v2 events and objects. Both headers naming different accounts is a 400:
     /v1/events            limit (1..100, default 10), starting_after | ending_before, type (``*`` matches
                           any run of characters: ``customer.subscription.*``) | types[] (up to 20 exact names),
                           created=<int> or created[gt|gte|lt|lte], delivery_success=true|false.
@@ -52,7 +54,9 @@ selects a connected account's state, each account sees only its own events and o
                           starting_after | ending_before, created, and the collection's filters
                           (customer=, status=, ...). Subscriptions omit status=canceled unless
                           status=all, canceled or ended, as Stripe does.
-    /v2/core/events/{id}  the v2 events added with add_v2_event (a stub for thin events).
+    /v2/core/events/{id}  the v2 events added with add_v2_event, 404 once older than 30 days (by their
+                          ISO ``created``) or unknown to the account, in Stripe's v2 error shape
+                          ``{"error": {"type": "not_found", "code": "not_found", "message"}}``.
 Objects have no 30-day window. A deleted object other than a customer is a 404, as Stripe does for
 most types; deleted objects leave every list. An unknown parameter, a cursor id the account does not
 have, or both cursors at once is a 400.
@@ -68,15 +72,19 @@ unknown parameter, 401, 404 ``resource_missing``, 429 ``rate_limit``, 5xx ``api_
 Query parameters are decoded as Stripe does for form encoding: ``types[0]=a&types[1]=b`` (what
 stripe-python sends), ``types[]=a`` (what Stripe's curl examples send) and ``created[gte]=1``.
 
-Faults count every request to the Stripe API (not ``/_fake/``), including the ones the stripe
-library repeats on its own (it retries 5xx and connection errors ``max_network_retries`` times, not
-429). Each fault serves the next ``n`` requests whose path starts with ``path_prefix``; a slow fault
-delays the answer and then the request goes on (it may also meet a failure fault).
+Faults count every request to the Stripe API (``/v1/`` and ``/v2/``, not ``/_fake/``), including the
+ones the stripe library repeats on its own (it retries 5xx and connection errors
+``max_network_retries`` times, not 429). Each fault serves the next ``n`` requests whose path starts
+with ``path_prefix``; a slow fault delays the answer and then the request goes on (it may also meet a
+failure fault).
 
 What stripe-python 16.1.0 does with these answers: 429 -> stripe.RateLimitError (``e.headers["Retry-After"]``;
 its ``e.code`` is None, the body's code is in ``e.json_body``), 5xx -> stripe.APIError, 400/404 ->
 stripe.InvalidRequestError (``e.param``, ``e.code``), 401 -> stripe.AuthenticationError, a client
-timeout -> stripe.APIConnectionError. A ``StripeClient`` retries nothing unless built with
+timeout -> stripe.APIConnectionError. On ``/v2/`` paths the library maps errors by the body's ``type``
+first and falls back to the v1 mapping by status for types it has no class for: the v2 404
+(``not_found``) is a stripe.InvalidRequestError with ``http_status`` 404 and ``code`` "not_found", and the
+faults raise the same classes as on /v1. A ``StripeClient`` retries nothing unless built with
 ``max_network_retries`` (the module-level default of 2 applies to the legacy global API only).
 
 The package: params (errors, query decoding, paging), resources (collections and filters),

@@ -8,6 +8,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 from devkit.stripe_api.params import (PAGING, ApiError, bad_param, boolean, check_known, copy_json, created_matcher,
@@ -20,12 +21,20 @@ EVENT_RETENTION_S = 30 * 86400  # Stripe lists and retrieves events of the last 
 MAX_TYPES = 20
 
 
+def _iso_seconds(value: Any) -> float:
+    """A v2 time (ISO 8601 with its zone: 2026-11-30T10:00:00.123Z) in unix seconds; ValueError otherwise."""
+    when = datetime.fromisoformat(value) if isinstance(value, str) else None
+    if when is None or when.tzinfo is None:
+        raise ValueError(f"a v2 event's created is an ISO 8601 time with its zone, not {value!r}")
+    return when.timestamp()
+
+
 class Request(NamedTuple):
     """One request the fake answered: query decoded the way Stripe does ({"types": [...], "created": {...}})."""
     method: str
     path: str
     query: dict[str, Any]
-    account: str | None
+    account: str | None  # from Stripe-Account or Stripe-Context; None = the platform
     status: int | None  # None while the answer is still being made (a slow fault)
 
 
@@ -137,8 +146,22 @@ class FakeStripe:
             self.add_event(event, account=account, delivered=delivered)
 
     def add_v2_event(self, event: dict[str, Any], account: str | None = None) -> None:
+        """Store what ``GET /v2/core/events/{id}`` answers (upsert by id), e.g. ``factories.v2_event(...)``.
+
+        ``account`` defaults to the event's ``context``: Stripe serves it only to requests made in that
+        context. Its ``created`` (ISO 8601) puts it in the 30-day window; one without ``created`` is
+        served whatever the clock says.
+        """
+        account = account or event.get("context")
+        if event.get("context") not in (None, account):
+            raise ValueError(f"v2 event {event.get('id')} belongs to {event['context']}, not {account}")
+        data = copy_json(event)
+        if not isinstance(data.get("id"), str):
+            raise ValueError("a v2 event needs a string id")
+        if "created" in data:
+            _iso_seconds(data["created"])
         with self._lock:
-            self._v2_events.setdefault(account, {})[event["id"]] = copy_json(event)
+            self._v2_events.setdefault(account, {})[data["id"]] = data
 
     def put_object(self, obj: dict[str, Any], account: str | None = None) -> None:
         """Upsert by id; ``obj["object"]`` is its type. An update keeps its place in lists (its ``created``)."""
@@ -266,13 +289,9 @@ class FakeStripe:
             raise ApiError(401, f"Invalid API Key provided: {shown[:8]}{'*' * max(len(shown) - 12, 0)}{shown[-4:]}")
 
     def _answer(self, path: str, params: dict[str, Any], account: str | None) -> dict[str, Any]:
-        if path.startswith("/v2/core/events/"):
-            event_id = path.removeprefix("/v2/core/events/")
-            with self._lock:
-                found = self._v2_events.get(account, {}).get(event_id)
-            if found is None:
-                raise ApiError(404, f"No such event: '{event_id}'", type="not_found", code="not_found")
-            return copy_json(found)
+        if path.startswith("/v2/core/events/") and "/" not in path.removeprefix("/v2/core/events/"):
+            check_known(params, set())
+            return self._retrieve_v2_event(path.removeprefix("/v2/core/events/"), account)
         if not path.startswith("/v1/"):
             raise ApiError(404, f"Unrecognized request URL (GET: {path}).")
         rest = path.removeprefix("/v1/")
@@ -323,6 +342,15 @@ class FakeStripe:
             if stored.data["id"] == event_id:
                 return copy_json(stored.data)
         raise missing("event", event_id)
+
+    def _retrieve_v2_event(self, event_id: str, account: str | None) -> dict[str, Any]:
+        with self._lock:
+            found = self._v2_events.get(account, {}).get(event_id)
+        if found is not None and ("created" not in found
+                                  or _iso_seconds(found["created"]) >= self.now - EVENT_RETENTION_S):
+            return copy_json(found)
+        # Stripe's v2 error shape: ``type`` and ``code``, no ``param``.
+        raise ApiError(404, f"No such event: '{event_id}'", type="not_found", code="not_found")
 
     def _list_objects(self, name: str, collection: Collection, params: dict[str, Any],
                       account: str | None) -> dict[str, Any]:

@@ -76,13 +76,17 @@ class Handler(BaseHTTPRequestHandler):
             except (KeyError, TypeError, ValueError) as exc:
                 self._send(400, ApiError(400, f"bad control request: {exc!r}").body())
             return
-        account = self.headers.get("Stripe-Account") or None
+        # Errors found before the request is logged are answered after the faults and the key check,
+        # in the order Stripe checks them.
+        early: ApiError | None = None
         try:
             query = parse_query(split.query)
         except ApiError as exc:
             query, early = {"_raw": split.query}, exc
-        else:
-            early = None
+        try:
+            account = account_of(self.headers)
+        except ApiError as exc:
+            account, early = None, early or exc
         index = fake._log(method, split.path, query, account)
         status = 500
         try:
@@ -119,6 +123,18 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
         except OSError:
             pass  # the client gave up (its timeout during a slow fault), or stop() closed the connection
+
+
+def account_of(headers: Mapping[str, str]) -> str | None:
+    """The connected account a request is made for: ``Stripe-Account``, or ``Stripe-Context`` (what
+    stripe-python sends for its ``stripe_context`` option); None is the platform. Two different
+    accounts in the two headers is a 400."""
+    account = headers.get("Stripe-Account") or None
+    context = headers.get("Stripe-Context") or None
+    if account is not None and context is not None and account != context:
+        raise ApiError(400, f"The Stripe-Account header ({account}) and the Stripe-Context header ({context}) "
+                            "name different accounts. Send one of them, or the same account in both.")
+    return account or context
 
 
 def fault_error(fault: Fault) -> ApiError:

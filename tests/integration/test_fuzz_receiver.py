@@ -17,7 +17,6 @@ import json
 import re
 import time
 
-import psycopg
 import pytest
 from hypothesis import HealthCheck, assume, example, given, settings as hypothesis_settings
 from hypothesis import strategies as st
@@ -27,7 +26,7 @@ from werkzeug.wrappers import Response
 
 from devkit.factories import sign
 from tests.support.constants import WEBHOOK_SECRET
-from tests.support.receiver import event_body
+from tests.support.receiver import CountingClient, event_body
 
 MARKER = "fuzz-payload-marker-7d3a"
 SEED_ID = "evt_fuzz_seed_already_recorded"
@@ -49,18 +48,7 @@ SIGNATURE_REASONS = {
 
 # -- the receiver and the ledger's row counts ---------------------------------------------------
 
-class Receiver:
-    def __init__(self, app, db_url: str):
-        self.app = app
-        self.client = app.test_client()
-        self.conn = psycopg.connect(db_url, autocommit=True)
-        self.baseline = self.counts()
-
-    def counts(self) -> tuple[int, int, int]:
-        return self.conn.execute(
-            "SELECT (SELECT count(*) FROM ledger.events), (SELECT count(*) FROM ledger.deliveries), "
-            "(SELECT count(*) FROM ledger.attempts)").fetchone()
-
+class Receiver(CountingClient):
     def post(self, body: bytes, headers: dict, *, method: str = "POST", **kwargs):
         return self.client.open("/webhooks/stripe", method=method, data=body, headers=headers, **kwargs)
 

@@ -24,6 +24,13 @@ The knobs sit in the event's ``data.object``:
 * ``test.bad_row``: insert one effect row, then a row violating NOT NULL.
 * ``test.statement_timeout``: insert one effect row, then
   ``SET LOCAL statement_timeout`` and ``pg_sleep`` past it.
+* ``test.requires``: insert one effect row; declared ``requires=`` an id and a
+  customer or customer account (an event lacking one never reaches it).
+
+``register_pre_accounts_v2(registry)`` is not loaded by default: it stands in for
+a release whose subscription handling predates Accounts v2 customers, by
+registering one more ``customer.subscription.*`` handler that requires
+``data.object.customer`` (tests load it onto a registry themselves).
 """
 from __future__ import annotations
 
@@ -33,7 +40,7 @@ import time
 import psycopg
 
 from workers.failures import PermanentError, TransientError
-from workers.registry import ApplyContext, handler
+from workers.registry import ApplyContext, HandlerRegistry, handler
 
 EFFECTS_DDL = "CREATE TABLE IF NOT EXISTS public.test_effects (event_id text NOT NULL, n serial)"
 LOCKS_DDL = "CREATE TABLE IF NOT EXISTS public.test_locks (id integer PRIMARY KEY, n integer NOT NULL DEFAULT 0)"
@@ -112,3 +119,20 @@ def statement_timeout(ctx: ApplyContext) -> None:
 def bad_row(ctx: ApplyContext) -> None:
     _effect(ctx)
     ctx.conn.execute("INSERT INTO public.test_effects (event_id) VALUES (NULL)")  # NOT NULL violation
+
+
+@handler("test.requires", requires=["data.object.id", ("data.object.customer", "data.object.customer_account")])
+def requires_fields(ctx: ApplyContext) -> None:
+    _effect(ctx)
+
+
+PRE_ACCOUNTS_V2_REQUIRES = ("data.object.customer",)
+
+
+def pre_accounts_v2_subscription(ctx: ApplyContext) -> None:
+    """Writes nothing: what it stands for is its requirement (the built-in handler does the writes)."""
+
+
+def register_pre_accounts_v2(registry: HandlerRegistry) -> None:
+    """The release before the upgrade, on ``registry``: subscriptions require ``data.object.customer``."""
+    registry.register("customer.subscription.*", pre_accounts_v2_subscription, requires=PRE_ACCOUNTS_V2_REQUIRES)

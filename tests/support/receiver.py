@@ -96,6 +96,22 @@ def drop_queue(broker_url: str, name: str) -> None:
 
 
 @dataclass
+class CountingClient:
+    """A receiver app's test client, and the ledger's row counts (events, deliveries, attempts) since it
+    was made (``baseline``): what a fuzz test compares after every request."""
+
+    def __init__(self, app, db_url: str):
+        self.app = app
+        self.client = app.test_client()
+        self.conn = psycopg.connect(db_url, autocommit=True)
+        self.baseline = self.counts()
+
+    def counts(self) -> tuple[int, int, int]:
+        return self.conn.execute(
+            "SELECT (SELECT count(*) FROM ledger.events), (SELECT count(*) FROM ledger.deliveries), "
+            "(SELECT count(*) FROM ledger.attempts)").fetchone()
+
+
 class WakeupQueue:
     redis_url: str
     name: str

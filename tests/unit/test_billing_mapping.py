@@ -1,14 +1,22 @@
-"""workers/billing/mapping: pure Stripe object -> billing row mapping, old and basil shapes."""
+"""workers/billing/mapping: pure Stripe object -> billing row mapping, old, basil and clover shapes; what each
+row requires is what its handler declares."""
 from __future__ import annotations
 
 import copy
+import json
 from datetime import datetime, timezone
 
 import pytest
 
-from devkit.factories import BASIL_API, OLD_API, SubscriptionHistory
+from devkit.factories import BASIL_API, CLOVER_API, DAHLIA_API, OLD_API, SubscriptionHistory
+from tests.support.constants import FIXTURES_DIR
 from workers.billing import mapping
 from workers.failures import UnmappablePayload
+from workers.handlers import alternatives, describe
+
+# Stripe's own example objects at its newest API version (../shared/stripe-fixtures/objects, read in place).
+NEWEST_OBJECTS = FIXTURES_DIR / "objects"
+needs_newest_objects = pytest.mark.skipif(not NEWEST_OBJECTS.is_dir(), reason=f"no {NEWEST_OBJECTS}")
 
 
 def ts(value: int) -> datetime:
@@ -62,7 +70,7 @@ def test_a_subscription_without_any_period_maps_to_null_periods():
     assert row["current_period_start"] is None and row["current_period_end"] is None
 
 
-@pytest.mark.parametrize("api_version", [OLD_API, BASIL_API])
+@pytest.mark.parametrize("api_version", [OLD_API, BASIL_API, CLOVER_API, DAHLIA_API])
 def test_subscription_row_carries_the_ids_status_and_flags(api_version):
     history = SubscriptionHistory(api_version=api_version).lifecycle()
     sub = history.events[8]["data"]["object"]  # active, cancel_at_period_end
@@ -139,14 +147,133 @@ def test_a_subscription_without_features_grants_none():
     assert mapping.subscription_row(sub)["features"] == []
 
 
-@pytest.mark.parametrize("field", ["id", "customer", "status"])
-def test_a_subscription_missing_a_required_field_is_unmappable_and_names_it(field):
+@pytest.mark.parametrize("field, named", [("id", "data.object.id"), ("status", "data.object.status"),
+                                          ("customer", "data.object.customer or data.object.customer_account")])
+def test_a_subscription_missing_a_required_field_is_unmappable_and_names_it(field, named):
     sub = subscription_object(BASIL_API)
     sub.pop(field)
     with pytest.raises(UnmappablePayload) as info:
         mapping.subscription_row(sub)
-    assert info.value.field == f"data.object.{field}"
-    assert f"data.object.{field}" in str(info.value)
+    assert info.value.field == named
+    assert named in str(info.value)
+
+
+def clover(sub: dict, account: str = "acct_1Accountsv2Customer") -> dict:
+    """An Accounts v2 customer's object at clover: customer null, customer_account set."""
+    return {**sub, "customer": None, "customer_account": account}
+
+
+def test_a_clover_subscription_of_an_accounts_v2_customer_is_keyed_by_its_customer_account():
+    history = SubscriptionHistory(api_version=CLOVER_API, customer_account="acct_1Accountsv2Customer").lifecycle()
+    for evt in history.events[1:]:
+        row = (mapping.subscription_row if evt["type"].startswith("customer.subscription.") else mapping.invoice_row)(
+            evt["data"]["object"])
+        assert row["customer_id"] == "acct_1Accountsv2Customer", evt["type"]
+    sub = subscription_object(BASIL_API)
+    assert mapping.subscription_row(clover(sub))["customer_id"] == "acct_1Accountsv2Customer"
+    # Both set (a v1 customer that also has an account): the customer id wins.
+    assert mapping.subscription_row({**sub, "customer_account": "acct_other"})["customer_id"] == sub["customer"]
+    with pytest.raises(UnmappablePayload, match="data.object.customer or data.object.customer_account"):
+        mapping.subscription_row(clover(sub, account=None))
+
+
+def test_clover_invoices_checkout_sessions_and_dunning_notices_read_the_customer_account():
+    history = SubscriptionHistory(api_version=BASIL_API).lifecycle()
+    inv = clover(history.events[3]["data"]["object"])
+    assert mapping.invoice_row(inv)["customer_id"] == "acct_1Accountsv2Customer"
+    assert mapping.invoice_row(inv)["subscription_id"] == history.subscription_id
+    assert mapping.payment_failed_notice(inv)["customer_id"] == "acct_1Accountsv2Customer"
+    session = clover({"id": "cs_1", "subscription": "sub_1", "mode": "subscription"})
+    assert mapping.checkout_session_row(session)["customer_id"] == "acct_1Accountsv2Customer"
+    # Optional there: neither set is a session without a customer, not an unmappable one.
+    assert mapping.checkout_session_row(clover(session, account=None))["customer_id"] is None
+    assert mapping.invoice_row(clover(inv, account=None))["customer_id"] is None
+
+
+# What a row refuses is exactly what its handler declares (requires=): one list, read by both.
+ROWS = {
+    "customer": (mapping.CUSTOMER_REQUIRES, lambda o: mapping.customer_row(o, deleted=False),
+                 lambda: {"id": "cus_1", "object": "customer"}),
+    "subscription": (mapping.SUBSCRIPTION_REQUIRES, mapping.subscription_row, lambda: subscription_object(BASIL_API)),
+    "invoice": (mapping.INVOICE_REQUIRES, mapping.invoice_row,
+                lambda: copy.deepcopy(lifecycle(BASIL_API).events[3]["data"]["object"])),
+    "checkout.session": (mapping.CHECKOUT_SESSION_REQUIRES, mapping.checkout_session_row,
+                         lambda: {"id": "cs_1", "object": "checkout.session", "customer": "cus_1"}),
+    "entitlement summary": (mapping.ENTITLEMENT_SUMMARY_REQUIRES, mapping.entitlement_summary,
+                            lambda: {"customer": "cus_1", "entitlements": {"data": [{"lookup_key": "seats"}]}}),
+}
+REQUIREMENTS = [(name, requirement) for name, (requires, _, _) in ROWS.items() for requirement in requires]
+
+
+def without(obj: dict, path: str) -> dict:
+    """``obj`` (a data.object) with the field at the event path ``path`` set to null."""
+    *parents, last = path.removeprefix("data.object.").split(".")
+    node = obj
+    for key in parents:
+        node = node[key]
+    node[last] = None
+    return obj
+
+
+@pytest.mark.parametrize("name, requirement", REQUIREMENTS, ids=[f"{n}:{describe(r)}" for n, r in REQUIREMENTS])
+def test_a_row_refuses_an_object_lacking_a_declared_requirement_and_names_it_as_declared(name, requirement):
+    _, to_row, valid = ROWS[name]
+    to_row(valid())  # the valid object maps
+    obj = valid()
+    for path in alternatives(requirement):
+        without(obj, path)
+    with pytest.raises(UnmappablePayload) as info:
+        to_row(obj)
+    assert info.value.field == describe(requirement)
+
+
+@pytest.mark.parametrize("name, requirement", [(n, r) for n, r in REQUIREMENTS if not isinstance(r, str)])
+def test_any_one_alternative_of_a_declared_requirement_is_enough_for_the_row(name, requirement):
+    _, to_row, valid = ROWS[name]
+    for keep in alternatives(requirement):
+        obj = valid()
+        value = obj.get("customer") or "cus_kept"
+        for path in alternatives(requirement):
+            without(obj, path)
+        obj[keep.removeprefix("data.object.")] = value
+        to_row(obj)
+
+
+# --- Stripe's newest example objects (2026-07-29.dahlia: after clover, basil changes kept) -----------
+
+def newest(resource: str) -> dict:
+    return json.loads((NEWEST_OBJECTS / f"{resource}__openapi.json").read_text())
+
+
+@needs_newest_objects
+def test_the_newest_subscription_shape_maps_periods_from_items_and_a_customer_or_its_account():
+    sub = newest("subscription")
+    item = sub["items"]["data"][0]
+    assert "current_period_start" not in sub and "customer_account" in sub
+    row = mapping.subscription_row(sub)
+    assert (row["id"], row["customer_id"], row["status"]) == (sub["id"], sub["customer"], sub["status"])
+    assert (row["current_period_start"], row["current_period_end"]) == (
+        ts(item["current_period_start"]), ts(item["current_period_end"]))
+    assert (row["price_id"], row["product_id"]) == (item["price"]["id"], item["price"]["product"])
+    assert mapping.subscription_row(clover(sub))["customer_id"] == "acct_1Accountsv2Customer"
+
+
+@needs_newest_objects
+def test_the_newest_invoice_shape_reads_its_subscription_from_the_parent_and_a_customer_or_its_account():
+    inv = newest("invoice")
+    assert inv["subscription"] is None  # a stale key the fixture still has: the parent is read instead
+    row = mapping.invoice_row(inv)
+    assert row["subscription_id"] == inv["parent"]["subscription_details"]["subscription"]
+    assert (row["id"], row["customer_id"], row["amount_due"]) == (inv["id"], inv["customer"], inv["amount_due"])
+    assert mapping.invoice_row(clover(inv))["customer_id"] == "acct_1Accountsv2Customer"
+
+
+@needs_newest_objects
+def test_the_newest_checkout_session_shape_maps_with_or_without_a_customer():
+    session = newest("checkout.session")
+    assert session["customer"] is None and "customer_account" in session
+    assert mapping.checkout_session_row(session)["customer_id"] is None
+    assert mapping.checkout_session_row(clover(session))["customer_id"] == "acct_1Accountsv2Customer"
 
 
 @pytest.mark.parametrize("value", [None, "", 42, {"no": "id"}])

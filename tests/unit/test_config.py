@@ -59,6 +59,14 @@ BAD = {
     "INGEST_MAX_BODY_BYTES not an integer": ("INGEST_MAX_BODY_BYTES", "1MiB"),
     "DB_POOL_TIMEOUT_S not a number": ("DB_POOL_TIMEOUT_S", "soon"),
     "LEDGER_TASK_EVENTS not a boolean": ("LEDGER_TASK_EVENTS", "sometimes"),
+    "STRIPE_THIN_WEBHOOK_SECRET entry that is an API key": ("STRIPE_THIN_WEBHOOK_SECRET",
+                                                            "whsec_live_secret_value_789,sk_live_leaked_111"),
+    "STRIPE_THIN_WEBHOOK_SECRET entry too short": ("STRIPE_THIN_WEBHOOK_SECRET", "whsec_x"),
+    "STRIPE_FETCH_TIMEOUT_S not a number": ("STRIPE_FETCH_TIMEOUT_S", "ten seconds"),
+    "STRIPE_FETCH_TIMEOUT_S zero": ("STRIPE_FETCH_TIMEOUT_S", "0"),
+    "STRIPE_FETCH_TIMEOUT_S below 0.1 s": ("STRIPE_FETCH_TIMEOUT_S", "0.05"),
+    "STRIPE_FETCH_TIMEOUT_S not a finite number": ("STRIPE_FETCH_TIMEOUT_S", "nan"),
+    "LEDGER_RETRY_CAP_S infinite": ("LEDGER_RETRY_CAP_S", "inf"),
 }
 
 
@@ -74,6 +82,46 @@ def test_a_malformed_value_raises_one_line_naming_the_variable_without_echoing_s
     assert "\n" not in message
     for secret in SECRET_VALUES:
         assert secret not in message
+
+
+# -- the thin endpoint's secrets and the workers' fetch timeout --
+
+def test_without_thin_variables_there_is_no_thin_endpoint_and_a_fetch_waits_ten_seconds():
+    settings = Settings.from_env(GOOD)
+
+    assert settings.thin_webhook_secrets == ()
+    assert settings.stripe_fetch_timeout_s == 10.0
+
+
+def test_from_env_reads_each_thin_destinations_secret_and_the_fetch_timeout():
+    settings = Settings.from_env({**GOOD, "STRIPE_THIN_WEBHOOK_SECRET": " whsec_thin_one_0123, whsec_thin_two_4567,",
+                                  "STRIPE_FETCH_TIMEOUT_S": "2.5"})
+
+    assert settings.thin_webhook_secrets == ("whsec_thin_one_0123", "whsec_thin_two_4567")
+    assert settings.webhook_secrets == (GOOD["STRIPE_WEBHOOK_SECRET"],)  # each endpoint its own list
+    assert settings.stripe_fetch_timeout_s == 2.5
+
+
+def test_a_malformed_thin_secret_is_named_by_its_variable_and_entry_and_never_echoed():
+    with pytest.raises(ConfigError) as raised:
+        Settings.from_env({**GOOD, "STRIPE_THIN_WEBHOOK_SECRET": "whsec_thin_one_0123,sk_live_leaked_111"})
+
+    assert str(raised.value) == "STRIPE_THIN_WEBHOOK_SECRET entry 2 is malformed: each entry must start with 'whsec_'"
+
+
+def test_a_receiver_of_thin_events_only_needs_no_snapshot_secret():
+    thin_only = Settings.from_env({"STRIPE_THIN_WEBHOOK_SECRET": "whsec_thin_one_0123"})
+
+    # No snapshot secrets: its /webhooks/stripe answers 404 (tests/integration/test_receiver_thin.py).
+    assert thin_only.require_webhook_secrets() == ()
+
+
+def test_a_receiver_with_neither_secret_is_refused_saying_what_to_set():
+    with pytest.raises(ConfigError) as raised:
+        Settings.from_env({"STRIPE_CONNECT_WEBHOOK_SECRET": "whsec_connect_0123"}).require_webhook_secrets()
+
+    assert str(raised.value) == ("STRIPE_WEBHOOK_SECRET is not set: the receiver cannot verify signatures "
+                                 "(a receiver of thin events only sets STRIPE_THIN_WEBHOOK_SECRET instead)")
 
 
 @pytest.mark.parametrize("variable", ["DATABASE_URL", "CELERY_BROKER_URL"])
@@ -113,7 +161,8 @@ def test_create_app_without_settings_and_without_a_secret_exits_with_one_clear_l
         create_app()
 
     assert _exit_lines(exited.value, capsys) == [
-        "configuration error: STRIPE_WEBHOOK_SECRET is not set: the receiver cannot verify signatures"]
+        "configuration error: STRIPE_WEBHOOK_SECRET is not set: the receiver cannot verify signatures "
+        "(a receiver of thin events only sets STRIPE_THIN_WEBHOOK_SECRET instead)"]
 
 
 def test_create_app_without_settings_and_a_malformed_secret_exits_without_echoing_it(

@@ -115,3 +115,72 @@ def test_loading_handlers_twice_does_not_register_them_twice():
     before = list(load_handlers(WITH_TEST_HANDLERS).patterns())
     after = load_handlers(WITH_TEST_HANDLERS).patterns()
     assert after == before
+
+
+# --- v2 event types: only v2 patterns take them -----------------------------------------------
+
+HEALTH = "v2.core.health.event_generation_failure.resolved"
+
+
+def test_a_v2_event_type_is_matched_only_by_patterns_that_start_with_v2():
+    reg = HandlerRegistry()
+    everything, v2_any, health = _named("everything", []), _named("v2_any", []), _named("health", [])
+    reg.register("*", everything)
+    reg.register("v*", _named("v_glob", []))
+    reg.register("*.resolved", _named("suffix_glob", []))
+    reg.register("v2.*", v2_any)
+    reg.register(HEALTH, health)
+    # A thin v2 event carries no v1 object: the generic mirror and other wildcards never take it.
+    assert reg.resolve(HEALTH) == [v2_any, health]
+    assert reg.resolve("v2.core.account.created") == [v2_any]
+    # Without a v2 pattern a v2 type has no handler at all (unsupported_type).
+    only_wildcards = HandlerRegistry()
+    only_wildcards.register("*", everything)
+    assert only_wildcards.resolve(HEALTH) == []
+
+
+def test_wildcards_keep_matching_every_other_type_and_v2_patterns_take_only_v2_types():
+    reg = HandlerRegistry()
+    everything, v2_any = _named("everything", []), _named("v2_any", [])
+    reg.register("*", everything)
+    reg.register("v2.*", v2_any)
+    for event_type in ("invoice.paid", "v1.customer.subscription.updated", "v2", "v2core.thing", "test.v2.x"):
+        assert reg.resolve(event_type) == [everything], event_type
+
+
+def test_the_generic_mirror_of_the_loaded_registry_takes_no_v2_type():
+    from workers.billing import handlers as b
+
+    loaded = load_handlers(WITH_TEST_HANDLERS)
+    assert not [fn for fn in loaded.resolve(HEALTH) if isinstance(fn, b.ObjectMirror)]
+    assert loaded.resolve("v2.core.account.created") == []
+
+
+# --- requirements, as modules declare them ----------------------------------------------------
+
+def test_a_modules_declared_requirements_survive_loading():
+    from tests.support import handlers_for_tests as t
+
+    loaded = load_handlers(WITH_TEST_HANDLERS)
+    [(_, requires)] = [(fn, r) for fn, r in loaded.requirements("test.requires") if fn is t.requires_fields]
+    assert requires == ("data.object.id", ("data.object.customer", "data.object.customer_account"))
+    assert [e.requires for e in loaded.entries() if e.handler is t.requires_fields] == [requires]
+
+
+def test_the_built_in_handlers_require_what_their_rows_cannot_do_without():
+    from workers.billing import handlers as b, mapping
+
+    loaded = load_handlers(Settings())
+    declared = {fn: requires for fn, requires in loaded.requirements("customer.subscription.updated")}
+    assert declared == {b.apply_subscription: mapping.SUBSCRIPTION_REQUIRES,
+                        next(fn for fn in declared if isinstance(fn, b.ObjectMirror)): ()}
+    assert ("data.object.customer", "data.object.customer_account") in mapping.SUBSCRIPTION_REQUIRES
+    for event_type, requires in [("customer.updated", mapping.CUSTOMER_REQUIRES),
+                                 ("invoice.paid", mapping.INVOICE_REQUIRES),
+                                 ("checkout.session.completed", mapping.CHECKOUT_SESSION_REQUIRES),
+                                 ("entitlements.active_entitlement_summary.updated",
+                                  mapping.ENTITLEMENT_SUMMARY_REQUIRES)]:
+        [typed, mirror] = loaded.requirements(event_type)
+        assert (typed[1], mirror[1]) == (requires, ()), event_type
+    # The mirror states none: it is lenient where other handlers take the type (see ObjectMirror).
+    assert loaded.requirements("charge.succeeded")[0][1] == ()

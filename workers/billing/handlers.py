@@ -4,7 +4,9 @@ Each runs inside the apply transaction: mapping (pure) then guarded upserts,
 named SQL from workers/billing/billing.sql. ``register_handlers`` lists every
 event type handled here; the load calls it with the settings, because the
 subscription handler carries the entitlements map they name. Every type, typed
-or not, also goes to the generic mirror (``ObjectMirror``, pattern ``*``).
+or not, also goes to the generic mirror (``ObjectMirror``, pattern ``*``), but
+a ``v2.*`` one (workers.registry). Each registration states what its handler
+requires of an event: the mapping's ``*_REQUIRES``, which its row checks too.
 Objects fetched from the API take the same mapping and statements through
 workers/billing/snapshots.py.
 """
@@ -44,12 +46,15 @@ MIRROR_PATTERN = "*"  # every type, these included
 def register_handlers(registry: HandlerRegistry, settings: Settings) -> None:
     """Called by load_handlers. The entitlements map is read here, once per load: an
     unreadable file fails at start-up, not per event."""
-    registry.handler(*CUSTOMER_EVENTS)(apply_customer)
-    registry.handler(*SUBSCRIPTION_EVENTS)(SubscriptionHandler(read_entitlements_map(settings.entitlements_map_path)))
-    registry.handler(*INVOICE_EVENTS)(apply_invoice)
-    registry.handler(*CHECKOUT_EVENTS)(apply_checkout_session)
-    registry.handler(*ENTITLEMENT_SUMMARY_EVENTS)(apply_entitlement_summary)
-    # Last of the built-ins: a typed handler's refusal (naming the field) is the one reported.
+    registry.handler(*CUSTOMER_EVENTS, requires=mapping.CUSTOMER_REQUIRES)(apply_customer)
+    registry.handler(*SUBSCRIPTION_EVENTS, requires=mapping.SUBSCRIPTION_REQUIRES)(
+        SubscriptionHandler(read_entitlements_map(settings.entitlements_map_path)))
+    registry.handler(*INVOICE_EVENTS, requires=mapping.INVOICE_REQUIRES)(apply_invoice)
+    registry.handler(*CHECKOUT_EVENTS, requires=mapping.CHECKOUT_SESSION_REQUIRES)(apply_checkout_session)
+    registry.handler(*ENTITLEMENT_SUMMARY_EVENTS, requires=mapping.ENTITLEMENT_SUMMARY_REQUIRES)(
+        apply_entitlement_summary)
+    # Last of the built-ins: a typed handler's refusal (naming the field) is the one reported. It requires
+    # nothing up front: what it needs (an id, an object type) it needs only when no other handler takes the type.
     registry.handler(MIRROR_PATTERN)(ObjectMirror(registry))
 
 
@@ -171,10 +176,11 @@ class ObjectMirror:
 
     Keyed by (id, account, livemode), under the order guard of the typed tables. A type
     no other handler takes is mirrored and processed: with this registered, every type
-    has a handler and none ends ``unsupported_type``. An object the mirror cannot key (no id, no ``object`` type)
-    is left to the type's other handlers (an entitlement summary has no id); when the
-    mirror is the type's only handler, the event fails permanently with the reason
-    (``object_without_id``, ``unmappable_payload``). It asks the registry it was
+    but ``v2.*`` (never matched by ``*``) has a handler and none ends ``unsupported_type``.
+    An object the mirror cannot key (no id, no ``object`` type) is left to the type's
+    other handlers (an entitlement summary has no id); when the mirror is the type's
+    only handler, the event fails permanently with the reason (``object_without_id``,
+    ``unmappable_payload``): which is why it declares no requirement. It asks the registry it was
     registered in, when it meets such an object, so handlers loaded after it count.
     """
     registry: HandlerRegistry

@@ -5,8 +5,14 @@ Payload shapes differ by API version and are read both ways:
   its items after;
 * an invoice's subscription id moved from ``invoice.subscription`` to
   ``invoice.parent.subscription_details.subscription``;
-* ``price`` replaced ``plan`` on subscription items; both are read.
-A field the row cannot do without raises UnmappablePayload naming it.
+* ``price`` replaced ``plan`` on subscription items; both are read;
+* from 2025-09-30.clover on, an object of an Accounts v2 customer may carry
+  ``customer_account`` ("acct_...") with ``customer`` null: the customer id is
+  ``customer``, else ``customer_account``.
+A field the row cannot do without raises UnmappablePayload naming it. Those
+fields are the ``*_REQUIRES`` constants below: the built-in handlers declare
+them (``requires=``), so the worker refuses an event lacking one before any
+handler runs, and the rows check the same paths.
 """
 from __future__ import annotations
 
@@ -14,8 +20,25 @@ from datetime import datetime, timezone
 from typing import Any, Mapping
 
 from workers.failures import PermanentError, UnmappablePayload
+from workers.handlers import Requirement, alternatives, describe, value_at
 
 Obj = Mapping[str, Any]
+
+# The paths below are the event's (what handlers declare); a row reads them inside data.object.
+_OBJECT = "data.object."
+ID = "data.object.id"
+STATUS = "data.object.status"
+# Accounts v2 (2025-09-30.clover on): customer null, customer_account "acct_..." instead.
+CUSTOMER = ("data.object.customer", "data.object.customer_account")
+SUMMARY_CUSTOMER = "data.object.customer"
+SUMMARY_ENTITLEMENTS = "data.object.entitlements.data"
+
+CUSTOMER_REQUIRES: tuple[Requirement, ...] = (ID,)
+# The customer id keys the customer's entitlements: a subscription cannot do without one.
+SUBSCRIPTION_REQUIRES: tuple[Requirement, ...] = (ID, CUSTOMER, STATUS)
+INVOICE_REQUIRES: tuple[Requirement, ...] = (ID,)
+CHECKOUT_SESSION_REQUIRES: tuple[Requirement, ...] = (ID,)
+ENTITLEMENT_SUMMARY_REQUIRES: tuple[Requirement, ...] = (SUMMARY_CUSTOMER, SUMMARY_ENTITLEMENTS)
 
 
 class ObjectWithoutId(PermanentError):
@@ -44,17 +67,32 @@ def _id(value: Any) -> str | None:
     return None
 
 
-def _required_id(obj: Obj, key: str, where: str = "data.object") -> str:
-    value = _id(obj.get(key))
+def _in_object(path: str) -> str:
+    if not path.startswith(_OBJECT):
+        raise ValueError(f"{path} is not a path into data.object")
+    return path[len(_OBJECT):]
+
+
+def _first_id(obj: Obj, requirement: Requirement) -> str | None:
+    """The id at the first of the requirement's paths that holds one (bare or expanded)."""
+    for path in alternatives(requirement):
+        value = _id(value_at(obj, _in_object(path)))
+        if value is not None:
+            return value
+    return None
+
+
+def _required_id(obj: Obj, requirement: Requirement) -> str:
+    value = _first_id(obj, requirement)
     if value is None:
-        raise UnmappablePayload(f"{where}.{key}")
+        raise UnmappablePayload(describe(requirement))
     return value
 
 
-def _required_str(obj: Obj, key: str, where: str = "data.object") -> str:
-    value = obj.get(key)
+def _required_str(obj: Obj, path: str) -> str:
+    value = value_at(obj, _in_object(path))
     if not isinstance(value, str) or not value:
-        raise UnmappablePayload(f"{where}.{key}")
+        raise UnmappablePayload(path)
     return value
 
 
@@ -85,7 +123,7 @@ def _features_from_metadata(*sources: Any) -> set[str]:
 def customer_row(obj: Obj, *, deleted: bool) -> dict[str, Any]:
     metadata = obj.get("metadata")
     return {
-        "id": _required_id(obj, "id"),
+        "id": _required_id(obj, ID),
         "email": _str(obj.get("email")),
         "name": _str(obj.get("name")),
         "deleted": deleted or obj.get("deleted") is True,
@@ -121,9 +159,9 @@ def subscription_row(obj: Obj, entitlements_map: Mapping[str, list[str]] | None 
     if quantity is None and items:
         quantity = _int(first.get("quantity"))
     return {
-        "id": _required_id(obj, "id"),
-        "customer_id": _required_id(obj, "customer"),
-        "status": _required_str(obj, "status"),
+        "id": _required_id(obj, ID),
+        "customer_id": _required_id(obj, CUSTOMER),
+        "status": _required_str(obj, STATUS),
         "price_id": price_id,
         "product_id": product_id,
         "quantity": quantity,
@@ -148,8 +186,8 @@ def invoice_subscription_id(obj: Obj) -> str | None:
 
 def invoice_row(obj: Obj, *, deleted: bool = False) -> dict[str, Any]:
     return {
-        "id": _required_id(obj, "id"),
-        "customer_id": _id(obj.get("customer")),
+        "id": _required_id(obj, ID),
+        "customer_id": _first_id(obj, CUSTOMER),
         "subscription_id": invoice_subscription_id(obj),
         "status": _str(obj.get("status")),
         "amount_due": _int(obj.get("amount_due")),
@@ -164,8 +202,8 @@ def invoice_row(obj: Obj, *, deleted: bool = False) -> dict[str, Any]:
 
 def checkout_session_row(obj: Obj) -> dict[str, Any]:
     return {
-        "id": _required_id(obj, "id"),
-        "customer_id": _id(obj.get("customer")),
+        "id": _required_id(obj, ID),
+        "customer_id": _first_id(obj, CUSTOMER),
         "subscription_id": _id(obj.get("subscription")),
         "client_reference_id": _str(obj.get("client_reference_id")),
         "mode": _str(obj.get("mode")),
@@ -176,16 +214,15 @@ def checkout_session_row(obj: Obj) -> dict[str, Any]:
 
 def entitlement_summary(obj: Obj) -> tuple[str, list[str]]:
     """(customer id, active feature lookup keys) of an active entitlement summary."""
-    customer = _required_id(obj, "customer")
-    entitlements = obj.get("entitlements")
-    data = entitlements.get("data") if isinstance(entitlements, Mapping) else None
+    customer = _required_id(obj, SUMMARY_CUSTOMER)
+    data = value_at(obj, _in_object(SUMMARY_ENTITLEMENTS))
     if not isinstance(data, list):
-        raise UnmappablePayload("data.object.entitlements.data")
+        raise UnmappablePayload(SUMMARY_ENTITLEMENTS)
     features = set()
     for index, item in enumerate(data):
         key = (item.get("lookup_key") or _id(item.get("feature"))) if isinstance(item, Mapping) else None
         if not isinstance(key, str) or not key:
-            raise UnmappablePayload(f"data.object.entitlements.data[{index}].lookup_key")
+            raise UnmappablePayload(f"{SUMMARY_ENTITLEMENTS}[{index}].lookup_key")
         features.add(key)
     return customer, sorted(features)
 
@@ -194,8 +231,8 @@ def payment_failed_notice(obj: Obj) -> dict[str, Any]:
     """The invoice.payment_failed effect's payload: what a dunning e-mail needs, nothing more."""
     # Its own fields, not invoice_row's: the payload is a published contract (README, Built-in effects).
     return {
-        "invoice_id": _required_id(obj, "id"),
-        "customer_id": _id(obj.get("customer")),
+        "invoice_id": _required_id(obj, ID),
+        "customer_id": _first_id(obj, CUSTOMER),
         "subscription_id": invoice_subscription_id(obj),
         "amount_due": _int(obj.get("amount_due")),
         "currency": _str(obj.get("currency")),
@@ -216,12 +253,17 @@ def is_deletion(event_type: str | None, obj: Obj) -> bool:
         event_type is not None and event_type.endswith(".deleted") and event_type not in _NOT_A_DELETION)
 
 
+# The generic mirror's row needs data.object.id and this, yet the mirror declares no requirement: it steps
+# aside when another handler takes the type (an entitlement summary has no id), which only it can tell.
+OBJECT_TYPE = "data.object.object"
+
+
 def object_row(obj: Obj, *, event_type: str | None) -> dict[str, Any]:
     """The generic mirror's row of any Stripe object (billing.objects); ``data`` is the object itself.
 
     Raises ObjectWithoutId without a string id, UnmappablePayload without an ``object`` type."""
-    object_id = obj.get("id")
+    object_id = value_at(obj, _in_object(ID))
     if not isinstance(object_id, str) or not object_id:
         raise ObjectWithoutId()
-    return {"id": object_id, "object_type": _required_str(obj, "object"), "data": obj,
+    return {"id": object_id, "object_type": _required_str(obj, OBJECT_TYPE), "data": obj,
             "deleted": is_deletion(event_type, obj)}

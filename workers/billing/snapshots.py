@@ -1,12 +1,14 @@
-"""Objects fetched from the Stripe API (backfill, reconcile --fix), applied as the billing handlers apply events.
+"""Objects fetched from the Stripe API (backfill, reconcile --fix, health alerts), applied as the
+billing handlers apply events.
 
 The same mapping (workers/billing/mapping.py) and the same guarded statements
 (workers/billing/billing.sql) as the event handlers, and always the generic mirror
-billing.objects. A fetched object has no event: its ordering key is
-(the second its answer arrived, 'api_fetch'). 'api_fetch' sorts before every 'evt_...'
-id, so an event created in that second or later wins over the snapshot, and an
-event of an earlier second loses to it, whichever is applied first (README,
-"Fetched objects and the order guard", says why that converges).
+billing.objects. A fetched object has no event: its ordering key is (the second its
+request was sent, less a margin: workers/stripe_api.py says why; 'api_fetch').
+'api_fetch' sorts before every 'evt_...' id, so an event created in that second or
+later wins over the snapshot, and an event of an earlier second loses to it,
+whichever is applied first (README, "Fetched objects and the order guard", says why
+that converges).
 
 A snapshot records no billing.subscription_transitions row (that table is the history
 of events) and announces no effect: an effect is keyed by the event that caused it,

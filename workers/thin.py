@@ -1,0 +1,174 @@
+"""Thin event notifications: what a worker fetches for one, before and outside the apply transaction.
+
+A thin notification (recorded by /webhooks/stripe/thin) carries ids, not objects. Before
+the apply transaction opens, ``ThinFetcher.fetch`` turns the claimed notification into the
+event its handlers take (``Applied``):
+
+* ``v1.<type>`` (``v1.customer.subscription.updated``): the related object, fetched now
+  from ``related_object.url``, becomes ``data.object`` of an event of the snapshot type
+  ``<type>``, so the handlers of ``<type>`` (built-in and a user's) apply it, under the
+  order guard with the notification's own (created, id). For a deletion (``v1.invoice.deleted``)
+  a 404 is the answer expected: the object becomes Stripe's deleted stub (id, object,
+  ``deleted: true``). The object is at least as new as
+  the notification: an older key on newer data is the safe direction (README, "Fetched
+  objects and the order guard"), and a later notification of the same object carries a
+  later key.
+* ``v2.*`` types: the v2 event (``/v2/core/events/{id}``), its ``data`` as it is. For
+  ``v2.core.health.event_generation_failure.resolved`` also the object whose event Stripe
+  failed to generate (``data.impact``), fetched as a snapshot (workers/health.py applies it
+  and records the alert). A v2 type no handler is registered for is refused before any
+  fetch (the processor's ``unsupported_type``).
+
+Each fetch is one request (``RetryRule(attempts=1)``), sent with the notification's
+``context`` (its connected account) as Stripe-Context: a 429, a 5xx, a timeout fails the
+attempt recoverably, Stripe's Retry-After the least wait, and the ledger retries it on our
+own schedule with no lease or connection held meanwhile; a 404 or a refused key is
+permanent, with the reason (workers.failures classifies StripeApiError). Nothing here
+touches Postgres.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import stripe
+
+from ingest.envelope import THIN_OBJECT
+from ledger.config import Settings
+from ledger.store import Claim
+from workers.billing.mapping import is_deletion
+from workers.failures import PermanentError
+from workers.stripe_api import COLLECTIONS, PermanentApiError, RetryRule, StripeApi
+
+HEALTH_GENERATION_FAILURE = "v2.core.health.event_generation_failure.resolved"
+V1_PREFIX = "v1."
+
+# object type -> the API path it is retrieved under (a health alert names the type and id only;
+# its url is the Dashboard's).
+_PATHS = {collection.object: collection.path for collection in COLLECTIONS.values()}
+
+
+class MissingStripeKey(PermanentError):
+    """A thin notification needs the API and STRIPE_API_KEY is not set: set it, then replay."""
+
+    reason = "stripe_api_key_missing"
+
+    def __init__(self):
+        super().__init__("a thin event notification is fetched from Stripe's API and STRIPE_API_KEY is not set; "
+                         "set it on the workers, then ledgerctl replay")
+
+
+class KeyOfAnotherMode(PermanentError):
+    """The notification's mode is not the API key's: Stripe would answer 404 for every object of it."""
+
+    reason = "stripe_api_key_mode"
+
+    def __init__(self, livemode: bool):
+        mode, other = ("live", "test") if livemode else ("test", "live")
+        super().__init__(f"a {mode} mode notification cannot be fetched with the workers' {other} mode "
+                         "STRIPE_API_KEY; set LEDGER_ACCEPT_LIVEMODE so the receiver refuses that mode, or give "
+                         "those workers a key of its mode")
+
+
+@dataclass(frozen=True)
+class Applied:
+    """The event a claim's handlers take: ``event`` is what ApplyContext.event holds."""
+    type: str
+    event: dict[str, Any]
+
+
+def is_thin(payload: dict[str, Any]) -> bool:
+    return payload.get("object") == THIN_OBJECT
+
+
+def handler_type(event_type: str) -> str:
+    """The type whose handlers apply an event: a v1 thin notification's snapshot twin, else its own."""
+    return event_type.removeprefix(V1_PREFIX) if event_type.startswith(V1_PREFIX) else event_type
+
+
+def applied(claim: Claim) -> Applied:
+    """A snapshot event's, as it was delivered: nothing to fetch."""
+    return Applied(claim.type, claim.payload)
+
+
+def object_path(object_type: str, object_id: str) -> str | None:
+    """The API path of one object, None for a type this worker cannot retrieve."""
+    path = _PATHS.get(object_type)
+    return f"{path}/{object_id}" if path else None
+
+
+class ThinFetcher:
+    """Fetches for thin notifications (see the module docstring). The client is made on first use:
+    a worker that never meets a thin notification needs no STRIPE_API_KEY."""
+
+    def __init__(self, settings: Settings):
+        self._settings = settings
+        self._api: StripeApi | None = None
+
+    def fetch(self, claim: Claim) -> Applied:
+        notification = claim.payload
+        api = self._api_client()
+        if api.livemode is not None and api.livemode != claim.livemode:
+            raise KeyOfAnotherMode(claim.livemode)
+        if claim.type.startswith(V1_PREFIX):
+            return self._related_object(claim, notification)
+        v2_event, _ = self._get(f"/v2/core/events/{claim.event_id}", claim.account)
+        event = {**v2_event, "id": claim.event_id, "type": claim.type}
+        if claim.type == HEALTH_GENERATION_FAILURE:
+            event["fetched"] = self._impacted_object(event, claim.account)
+        return Applied(claim.type, event)
+
+    def close(self) -> None:
+        if self._api is not None:
+            self._api.close()
+
+    def _related_object(self, claim: Claim, notification: dict[str, Any]) -> Applied:
+        related = notification["related_object"]  # its shape was checked by the receiver
+        snapshot_type = handler_type(claim.type)
+        try:
+            obj, _ = self._get(related["url"], claim.account)
+        except PermanentApiError as exc:
+            if exc.status != 404 or not is_deletion(snapshot_type, {}):
+                raise
+            # What a deletion leaves: Stripe answers 404 for most deleted objects (a customer's
+            # deleted stub is its answer), and the rows are marked deleted from that stub.
+            obj = {"id": related["id"], "object": related["type"], "deleted": True}
+        event = {"id": claim.event_id, "object": "event", "type": snapshot_type,
+                 "created": claim.created.timestamp(), "livemode": claim.livemode, "account": claim.account,
+                 # The version Stripe rendered the object at: the client library's own (no Stripe-Version is
+                 # set), which a library upgrade moves; handlers' required fields guard that.
+                 "api_version": stripe.api_version, "data": {"object": obj},
+                 "thin": {"type": claim.type, "related_object": related}}
+        return Applied(snapshot_type, event)
+
+    def _impacted_object(self, event: dict[str, Any], context: str | None) -> dict[str, Any]:
+        """What data.impact names, fetched now: {"outcome", "object", "fetched_at", "account", "path"}."""
+        impact = (event.get("data") or {}).get("impact") or {}
+        related = impact.get("related_object") or {}
+        object_type = related.get("type")
+        object_id = related.get("id") or impact.get("related_object_id")
+        account = impact.get("context") or context
+        path = object_path(object_type, object_id) if isinstance(object_type, str) and isinstance(object_id, str) \
+            else None
+        fetched: dict[str, Any] = {"account": account, "path": path, "object": None, "fetched_at": None}
+        if path is None:
+            return {**fetched, "outcome": "unsupported_object_type"}
+        obj, fetched_at = self._api_client().retrieve(path.rsplit("/", 1)[0], object_id, context=account)
+        return {**fetched, "object": obj, "fetched_at": _iso(fetched_at),
+                "outcome": "applied" if obj is not None else "object_not_found"}
+
+    def _get(self, path: str, context: str | None) -> tuple[dict[str, Any], datetime]:
+        return self._api_client().get(path, context=context)
+
+    def _api_client(self) -> StripeApi:
+        if self._api is None:
+            if not self._settings.stripe_api_key:
+                raise MissingStripeKey()
+            self._api = StripeApi(self._settings, rule=RetryRule(attempts=1,
+                                                                  timeout_s=self._settings.stripe_fetch_timeout_s))
+        return self._api
+
+
+def _iso(when: datetime) -> str:
+    return when.isoformat()
