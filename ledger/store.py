@@ -214,6 +214,12 @@ class WorkerLedger:
         if not run_statement(self._pool, SQL.event_fail_if_lease_held, params):
             raise LeaseLost()
 
+    @staticmethod
+    def record_snapshot_twin(conn: psycopg.Connection, event_id: str, snapshot_event_id: str) -> None:
+        """In the apply transaction (``conn``): the thin notification ``event_id`` is applied under the id
+        of its snapshot twin (event_record_snapshot_twin)."""
+        conn.execute(SQL.event_record_snapshot_twin, {"event_id": event_id, "snapshot_event_id": snapshot_event_id})
+
     def mark_lease_lost(self, claim: Claim, detail: str) -> None:
         run_statement(self._pool, SQL.attempt_mark_lease_lost,
                       {"id": claim.event_id, "attempt": claim.attempt, "error": detail})

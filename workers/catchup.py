@@ -6,6 +6,8 @@ each through the receiver's own statement (``EventStore.record_delivery``, the s
 dedupe: an event a webhook already delivered is a duplicate delivery, never a second
 event), with ``source='catchup'``; and wakes a worker for each the delivery says needs
 one, exactly as the receiver does. Business work happens in the workers, as always.
+A listed event a thin notification already brought (the notification was applied under
+its id, its snapshot twin: ledger.snapshot_twins) is skipped: the change is in the ledger.
 
 The cursor (ledger.catchup_cursors, one row per account, '' the platform) is where the
 last unfiltered run ended: the newest event it recorded, moved only after that event's
@@ -161,6 +163,8 @@ class CatchUp:
         if request.from_cursor and plan.position is not None:
             behind = self._known_ids([e["id"] for e in events if _created(e) <= plan.position])
             events = [e for e in events if e["id"] not in behind]
+        brought_thin = self._known_ids([e["id"] for e in events], SQL.catchup_snapshot_twin_ids)
+        events = [e for e in events if e["id"] not in brought_thin]
         report.skipped = report.listed - len(events)
         self._record(events, request.account, key, report, moves_cursor=plan.moves_cursor, progress=progress)
         if plan.moves_cursor:
@@ -270,10 +274,11 @@ class CatchUp:
         run_statement(self._pool, SQL.catchup_cursor_advance_if_newer,
                       {"account": key, "event_id": evt["id"], "event_created": _created(evt)})
 
-    def _known_ids(self, ids: list[str]) -> set[str]:
+    def _known_ids(self, ids: list[str], sql: str = SQL.catchup_known_event_ids) -> set[str]:
+        """Which of ``ids`` the ledger has (``sql``: catchup_known_event_ids, or catchup_snapshot_twin_ids)."""
         known: set[str] = set()
         for at in range(0, len(ids), 1000):
-            rows = run_statement(self._pool, SQL.catchup_known_event_ids, {"ids": ids[at:at + 1000]})
+            rows = run_statement(self._pool, sql, {"ids": ids[at:at + 1000]})
             known.update(row["id"] for row in rows)
         return known
 

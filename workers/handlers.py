@@ -24,7 +24,12 @@ from workers.failures import UnmappablePayload
 
 @dataclass(frozen=True)
 class ApplyContext:
-    """What a handler gets: the event, and the connection of the apply transaction."""
+    """What a handler gets: the event, and the connection of the apply transaction.
+
+    ``event_id`` is the change's id, what rows and effects are keyed by: the event's own, or for a
+    thin notification that Stripe says is the thin version of a snapshot event, that snapshot
+    event's id, so both payload styles of one change write the same keys (``ledger_event_id`` is
+    then the notification's, the ledger row the attempt belongs to)."""
     conn: psycopg.Connection
     event_id: str
     event_type: str
@@ -36,6 +41,7 @@ class ApplyContext:
     # Effects a sender is configured for; ids of the effects this attempt recorded.
     enabled_effects: frozenset[str] = frozenset()
     emitted: list[int] = field(default_factory=list)
+    ledger_event_id: str | None = None  # None: event_id
     # What handlers asked to run once this attempt's writes are committed (see on_commit).
     _after_commit: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
@@ -69,7 +75,8 @@ class ApplyContext:
         if if_configured and effect not in self.enabled_effects:
             return None
         outbox_id = record(self.conn, idempotency_key=":".join(p for p in (self.event_id, effect, key) if p),
-                           effect=effect, event_id=self.event_id, ordering_key=ordering_key, payload=payload)
+                           effect=effect, event_id=self.ledger_event_id or self.event_id,
+                           ordering_key=ordering_key, payload=payload)
         if outbox_id is not None:
             self.emitted.append(outbox_id)
         return outbox_id

@@ -209,9 +209,12 @@ class EventProcessor(LeasedWork):
         """Every handler of the event's type, in order, on the apply transaction's connection, once the
         fields they require are known to be there (an event missing one writes nothing)."""
         self.registry.check_required(event.type, event.event, event.event.get("api_version") or claim.api_version)
-        context = ApplyContext(conn=conn, event_id=claim.event_id, event_type=event.type, created=claim.created,
-                               livemode=claim.livemode, account=claim.account, event=event.event,
-                               attempt=claim.attempt, enabled_effects=self.enabled_effects)
+        if event.snapshot_twin is not None:
+            self.ledger.record_snapshot_twin(conn, claim.event_id, event.snapshot_twin)
+        context = ApplyContext(conn=conn, event_id=event.snapshot_twin or claim.event_id, event_type=event.type,
+                               created=claim.created, livemode=claim.livemode, account=claim.account,
+                               event=event.event, attempt=claim.attempt, enabled_effects=self.enabled_effects,
+                               ledger_event_id=claim.event_id)
         for handle in self.registry.resolve(event.type):
             handle(context)
         return context

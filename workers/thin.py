@@ -4,12 +4,15 @@ A thin notification (recorded by /webhooks/stripe/thin) carries ids, not objects
 the apply transaction opens, ``ThinFetcher.fetch`` turns the claimed notification into the
 event its handlers take (``Applied``):
 
-* ``v1.<type>`` (``v1.customer.subscription.updated``): the related object, fetched now
-  from ``related_object.url``, becomes ``data.object`` of an event of the snapshot type
-  ``<type>``, so the handlers of ``<type>`` (built-in and a user's) apply it, under the
-  order guard with the notification's own (created, id). For a deletion (``v1.invoice.deleted``)
-  a 404 is the answer expected: the object becomes Stripe's deleted stub (id, object,
-  ``deleted: true``). The object is at least as new as
+* ``v1.<type>`` (``v1.customer.subscription.updated``): the v2 event first, for the id of
+  the snapshot event of the same change (``snapshot_event``), then the related object,
+  fetched now from ``related_object.url``. The object becomes ``data.object`` of an event of
+  the snapshot type ``<type>``, so the handlers of ``<type>`` (built-in and a user's) apply
+  it, under the order guard with the notification's ``created``, and keyed by the snapshot
+  event's id when there is one: a change that also comes as a snapshot event (both payload
+  styles subscribed, or catch-up listing it) writes the same rows, transitions and effects
+  once. For a deletion (``v1.invoice.deleted``) a 404 is the answer expected: the object
+  becomes Stripe's deleted stub (id, object, ``deleted: true``). The object is at least as new as
   the notification: an older key on newer data is the safe direction (README, "Fetched
   objects and the order guard"), and a later notification of the same object carries a
   later key.
@@ -19,7 +22,7 @@ event its handlers take (``Applied``):
   and records the alert). A v2 type no handler is registered for is refused before any
   fetch (the processor's ``unsupported_type``).
 
-Each fetch is one request (``RetryRule(attempts=1)``), sent with the notification's
+Each request is made once (``RetryRule(attempts=1)``), sent with the notification's
 ``context`` (its connected account) as Stripe-Context: a 429, a 5xx, a timeout fails the
 attempt recoverably, Stripe's Retry-After the least wait, and the ledger retries it on our
 own schedule with no lease or connection held meanwhile; a 404 or a refused key is
@@ -73,9 +76,11 @@ class KeyOfAnotherMode(PermanentError):
 
 @dataclass(frozen=True)
 class Applied:
-    """The event a claim's handlers take: ``event`` is what ApplyContext.event holds."""
+    """The event a claim's handlers take: ``event`` is what ApplyContext.event holds; ``snapshot_twin``
+    the id of the snapshot event of the same change, when Stripe names one (ApplyContext.event_id)."""
     type: str
     event: dict[str, Any]
+    snapshot_twin: str | None = None
 
 
 def is_thin(payload: dict[str, Any]) -> bool:
@@ -126,6 +131,7 @@ class ThinFetcher:
     def _related_object(self, claim: Claim, notification: dict[str, Any]) -> Applied:
         related = notification["related_object"]  # its shape was checked by the receiver
         snapshot_type = handler_type(claim.type)
+        twin = self._snapshot_twin(claim)
         try:
             obj, _ = self._get(related["url"], claim.account)
         except PermanentApiError as exc:
@@ -134,13 +140,25 @@ class ThinFetcher:
             # What a deletion leaves: Stripe answers 404 for most deleted objects (a customer's
             # deleted stub is its answer), and the rows are marked deleted from that stub.
             obj = {"id": related["id"], "object": related["type"], "deleted": True}
-        event = {"id": claim.event_id, "object": "event", "type": snapshot_type,
+        event = {"id": twin or claim.event_id, "object": "event", "type": snapshot_type,
                  "created": claim.created.timestamp(), "livemode": claim.livemode, "account": claim.account,
                  # The version Stripe rendered the object at: the client library's own (no Stripe-Version is
                  # set), which a library upgrade moves; handlers' required fields guard that.
                  "api_version": stripe.api_version, "data": {"object": obj},
-                 "thin": {"type": claim.type, "related_object": related}}
-        return Applied(snapshot_type, event)
+                 "thin": {"id": claim.event_id, "type": claim.type, "related_object": related}}
+        return Applied(snapshot_type, event, snapshot_twin=twin)
+
+    def _snapshot_twin(self, claim: Claim) -> str | None:
+        """The snapshot event of the same change (the v2 event's ``snapshot_event``). None when Stripe
+        names none, or no longer has the v2 event (it keeps them 30 days: a late replay)."""
+        try:
+            v2_event, _ = self._get(f"/v2/core/events/{claim.event_id}", claim.account)
+        except PermanentApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        twin = v2_event.get("snapshot_event")
+        return twin if isinstance(twin, str) and twin.startswith("evt_") and twin != claim.event_id else None
 
     def _impacted_object(self, event: dict[str, Any], context: str | None) -> dict[str, Any]:
         """What data.impact names, fetched now: {"outcome", "object", "fetched_at", "account", "path"}."""

@@ -44,8 +44,16 @@ SELECT account FROM ledger.catchup_cursors ORDER BY account
 
 -- name: catchup_known_event_ids
 -- Catch-up: which of these event ids the ledger already has (a dry run's "already
--- delivered", and the overlap a run from the cursor lists again).
+-- delivered", and the overlap a run from the cursor lists again), under its own id or as
+-- the snapshot twin of a thin notification applied under it.
 SELECT id FROM ledger.events WHERE id = ANY(%(ids)s)
+UNION
+SELECT snapshot_event_id FROM ledger.snapshot_twins WHERE snapshot_event_id = ANY(%(ids)s)
+
+-- name: catchup_snapshot_twin_ids
+-- Catch-up: which of these (snapshot) event ids a thin notification already brought, as its
+-- snapshot twin: not recorded again (the change is in the ledger under the notification's id).
+SELECT snapshot_event_id AS id FROM ledger.snapshot_twins WHERE snapshot_event_id = ANY(%(ids)s)
 
 
 -- Reconcile: read-only views of the billing tables for one account ('' = platform,

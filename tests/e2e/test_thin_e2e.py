@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from devkit.factories import SubscriptionHistory, body_of, health_event, sign, thin_twin
+from devkit.factories import SubscriptionHistory, body_of, health_event, sign, thin_twin, v2_event
 from devkit.procs import free_port, wait_until
 from tests.support.constants import WEBHOOK_SECRET
 from tests.support.receiver import receiver_env
@@ -101,6 +101,19 @@ def billing_state(kit) -> tuple[list[dict], list[dict]]:
             kit.query("SELECT customer_id, feature, source FROM billing.entitlements ORDER BY 1, 2"))
 
 
+def thin_of(fake, evt: dict) -> dict:
+    """The thin notification of snapshot event ``evt``, its v2 event at the fake naming ``evt`` as its
+    snapshot event, as Stripe's does."""
+    note = thin_twin(evt)
+    fake.add_v2_event({**v2_event(note), "snapshot_event": evt["id"]})
+    return note
+
+
+def fetch_paths(note: dict) -> tuple[str, str]:
+    """What an attempt at a v1 notification GETs, in order: its v2 event, then its object."""
+    return f"/v2/core/events/{note['id']}", note["related_object"]["url"]
+
+
 def history_with_current_state(fake, start: int) -> SubscriptionHistory:
     """A lifecycle whose last subscription, customer and invoice states are what the fake API answers now."""
     history = SubscriptionHistory(start=start)
@@ -139,7 +152,7 @@ def test_a_lifecycle_sent_thin_twice_concurrently_is_processed_once_and_gives_th
         kit, broker_settings, start_receiver, configured_worker_factory, fake_stripe):
     settings = broker_settings
     history = history_with_current_state(fake_stripe, int(time.time()) - 3600)
-    notes = [thin_twin(evt) for evt in history.events]
+    notes = [thin_of(fake_stripe, evt) for evt in history.events]
     deliveries = notes * 2
     random.Random(14).shuffle(deliveries)
 
@@ -160,7 +173,7 @@ def test_a_lifecycle_sent_thin_twice_concurrently_is_processed_once_and_gives_th
                for attempts in outcomes.values()), (outcomes, retried)
     assert {n["id"]: kit.deliveries(n["id"]) for n in notes} == {n["id"]: 2 for n in notes}
     assert collections.Counter(r.path for r in fake_stripe.requests) == collections.Counter(
-        n["related_object"]["url"] for n in notes for _ in outcomes[n["id"]])
+        path for n in notes for _ in outcomes[n["id"]] for path in fetch_paths(n))
     from_thin = billing_state(kit)
     assert [r["status"] for r in from_thin[0]] == ["canceled"]
 
@@ -177,8 +190,8 @@ def test_an_api_outage_mid_fetch_is_retried_on_our_schedule_after_retry_after_an
     settings = broker_settings
     start = int(time.time()) - 3600
     histories = [history_with_current_state(fake_stripe, start + n) for n in range(6)]
-    before = [thin_twin(h.events[0]) for h in histories]           # customer.created: /v1/customers/...
-    during = [thin_twin(h.events[-1]) for h in histories]          # subscription.deleted: /v1/subscriptions/...
+    before = [thin_of(fake_stripe, h.events[0]) for h in histories]   # customer.created: /v1/customers/...
+    during = [thin_of(fake_stripe, h.events[-1]) for h in histories]  # subscription.deleted: /v1/subscriptions/...
 
     receiver = start_receiver_alone(start_receiver, settings, fake_stripe)
     post_concurrently(receiver, before, thin=True)
@@ -197,16 +210,17 @@ def test_an_api_outage_mid_fetch_is_retried_on_our_schedule_after_retry_after_an
     assert sorted(r.status for _, r in requests if r.status != 200) == [429] * 3 + [503] * 3
     outcomes = attempt_outcomes(kit)
     for note in during:
-        tries = [(fake_stripe.arrived_at[i], r.status) for i, r in requests
-                 if r.path == note["related_object"]["url"]]
-        failed = [status for _, status in tries[:-1]]
-        # Each failed fetch was one failed attempt; the last fetch succeeded and processed it, once.
-        assert tries[-1][1] == 200 and set(failed) <= {429, 503}, tries
+        tries = [(fake_stripe.arrived_at[i], r.status, r.path) for i, r in requests if r.path in fetch_paths(note)]
+        failed = [(status, path) for _, status, path in tries if status != 200]
+        # Each failed request (of the v2 event or of the object) was one failed attempt; the last attempt
+        # fetched both and processed it, once.
+        assert [(status, path) for _, status, path in tries[-2:]] == [(200, p) for p in fetch_paths(note)], tries
+        assert {status for status, _ in failed} <= {429, 503}, tries
         assert outcomes[note["id"]] == ["failed_recoverable"] * len(failed) + ["processed"], (note["id"], tries)
         errors = [a["error"] for a in kit.attempts(note["id"])[:-1]]
-        assert all(f"{note['related_object']['url']}: {status} " in error
-                   for error, status in zip(errors, failed, strict=True)), errors
-        for (failed_at, status), (retried_at, _) in zip(tries, tries[1:]):
+        assert all(f"{path}: {status} " in error
+                   for error, (status, path) in zip(errors, failed, strict=True)), errors
+        for (failed_at, status, _), (retried_at, _, _) in zip(tries, tries[1:]):
             if status == 429:
                 assert retried_at - failed_at >= 1.0, tries    # never sooner than Stripe's Retry-After
     assert sum(len(v) - 1 for v in outcomes.values()) == 6

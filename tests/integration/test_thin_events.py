@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from devkit.factories import SubscriptionHistory, health_event, incoming, thin_twin
+from devkit.factories import SubscriptionHistory, health_event, incoming, thin_twin, v2_event
 from tests.support.stripe_api import API_KEY, TimedFake, api_settings, fake_stripe  # noqa: F401
 from tests.support.workers import RecordingWaker
 from workers import metrics
@@ -26,8 +26,19 @@ SUBSCRIPTION_COLUMNS = ("id, customer_id, status, price_id, product_id, quantity
                         "account, livemode")
 
 
-def thin_of(evt: dict, *, account: str | None = None) -> dict:
-    return thin_twin({**evt, "account": account} if account else evt)
+def thin_of(evt: dict, *, account: str | None = None, fake=None) -> dict:
+    """The thin notification of snapshot event ``evt``; with ``fake``, its v2 event is there too, naming
+    ``evt`` as its snapshot twin (as Stripe's does). Without, the v2 event is not found: no twin."""
+    note = thin_twin({**evt, "account": account} if account else evt)
+    if fake is not None:
+        fake.add_v2_event({**v2_event(note), "snapshot_event": evt["id"]}, account=account)
+    return note
+
+
+def transition_keys(kit) -> list[dict]:
+    """Which events recorded a transition of which subscription (a thin one records the status fetched,
+    not the one of its moment: README, "How a thin event is processed")."""
+    return kit.query("SELECT event_id, subscription_id FROM billing.subscription_transitions ORDER BY event_id")
 
 
 def health_pair(obj: dict, *, failed_type: str) -> tuple[dict, dict]:
@@ -62,16 +73,19 @@ def test_thin_notifications_of_a_lifecycle_give_the_rows_its_snapshot_events_giv
     snapshot_processor = processor(kit, settings, fake_stripe)
     for evt in history.events:
         snapshot_processor.process(kit.record(evt))
-    from_snapshots = (subscription_rows(kit), entitlement_rows(kit))
+    from_snapshots = (subscription_rows(kit), entitlement_rows(kit), transition_keys(kit))
     kit.wipe()
 
     thin_processor = processor(kit, settings, fake_stripe)
-    for evt in history.events:
-        assert thin_processor.process(kit.record(thin_of(evt))) is Outcome.PROCESSED
-    assert (subscription_rows(kit), entitlement_rows(kit)) == from_snapshots
-    # One fetch per notification, each of the object it named, with the account's key.
+    notes = [thin_of(evt, fake=fake_stripe) for evt in history.events]
+    for note in notes:
+        assert thin_processor.process(kit.record(note)) is Outcome.PROCESSED
+    # The same rows; the transitions too, keyed by the snapshot events' ids the v2 events name.
+    assert (subscription_rows(kit), entitlement_rows(kit), transition_keys(kit)) == from_snapshots
+    # Per notification: its v2 event (for the snapshot twin's id), then the object it named.
     fetched = [r.path for r in fake_stripe.requests]
-    assert fetched == [thin_of(evt)["related_object"]["url"] for evt in history.events]
+    assert fetched == [path for note in notes
+                       for path in (f"/v2/core/events/{note['id']}", note["related_object"]["url"])]
 
 
 class CheckingFake(TimedFake):
@@ -106,7 +120,7 @@ def test_the_same_notification_delivered_again_after_it_was_processed_fetches_no
     delivery = kit.store().record_delivery(incoming(note))
     assert (delivery.inserted, delivery.needs_wakeup) == (False, False)
     assert proc.process(note["id"]) is Outcome.NOT_CLAIMED
-    assert len(fake_stripe.requests) == 1 and kit.deliveries(note["id"]) == 2
+    assert len(fake_stripe.requests) == 2 and kit.deliveries(note["id"]) == 2  # its v2 event, its object
 
 
 def test_notifications_applied_newest_first_end_with_the_state_applied_oldest_first(kit, settings, fake_stripe):
@@ -215,9 +229,9 @@ def test_a_connected_accounts_notification_is_fetched_with_its_context_and_write
     account = "acct_thin_connected"
     history = SubscriptionHistory(start=NOW - 3600).lifecycle()
     fake_stripe.put_object(history.events[1]["data"]["object"], account=account)
-    note = thin_of(history.events[1], account=account)
+    note = thin_of(history.events[1], account=account, fake=fake_stripe)
     assert processor(kit, settings, fake_stripe).process(kit.record(note)) is Outcome.PROCESSED
-    assert [r.account for r in fake_stripe.requests] == [account]
+    assert [(r.account, r.status) for r in fake_stripe.requests] == [(account, 200), (account, 200)]
     assert kit.query("SELECT account FROM billing.subscriptions")[0]["account"] == account
 
 
@@ -314,3 +328,53 @@ def test_a_thin_deletion_whose_object_stripe_no_longer_has_marks_the_rows_delete
     assert kit.query("SELECT id, deleted FROM billing.invoices") == [
         {"id": invoice["data"]["object"]["id"], "deleted": True}]
     assert kit.query("SELECT deleted FROM billing.objects WHERE object_type = 'invoice'") == [{"deleted": True}]
+
+
+@pytest.mark.parametrize("snapshot_first", [True, False], ids=["snapshot_then_thin", "thin_then_snapshot"])
+def test_a_change_delivered_both_as_snapshot_and_thin_announces_its_effect_once(
+        kit, settings, fake_stripe, snapshot_first):
+    history = history_with_current_state(fake_stripe)
+    failed = next(evt for evt in history.events if evt["type"] == "invoice.payment_failed")
+    fake_stripe.put_object(failed["data"]["object"])
+    note = thin_of(failed, fake=fake_stripe)  # its v2 event names ``failed`` as its snapshot event
+    proc = dataclasses.replace(processor(kit, settings, fake_stripe),
+                               enabled_effects=frozenset({"invoice.payment_failed"}))
+    for evt in ((failed, note) if snapshot_first else (note, failed)):
+        assert proc.process(kit.record(evt)) is Outcome.PROCESSED
+    # Two ledger events (each its own delivery and state), one change: one effect, keyed by the snapshot id.
+    effects = kit.query("SELECT effect, idempotency_key, event_id FROM ledger.outbox")
+    assert [(e["effect"], e["idempotency_key"]) for e in effects] == [
+        ("invoice.payment_failed", f"{failed['id']}:invoice.payment_failed")]
+    assert effects[0]["event_id"] == (failed["id"] if snapshot_first else note["id"])
+    assert kit.query("SELECT snapshot_event_id, event_id FROM ledger.snapshot_twins") == [
+        {"snapshot_event_id": failed["id"], "event_id": note["id"]}]
+
+
+def test_catch_up_does_not_record_again_a_change_a_thin_notification_brought(
+        kit, settings, fake_stripe, ledgerctl_cli):
+    from tests.support.stripe_api import env_of
+
+    history = history_with_current_state(fake_stripe)
+    recent = [{**evt, "created": NOW - 600 + n} for n, evt in enumerate(history.events[:3])]
+    fake_stripe.add_events(recent)  # what /v1/events lists: the snapshot events
+    proc = processor(kit, settings, fake_stripe)
+    for evt in recent[:2]:
+        assert proc.process(kit.record(thin_of(evt, fake=fake_stripe))) is Outcome.PROCESSED
+
+    dry = json.loads(ledgerctl_cli("catchup", "--dry-run", "--json", env=env_of(fake_stripe)).stdout)
+    assert (dry["listed"], dry["missed"], dry["duplicates"]) == (3, 1, 2)
+    run = json.loads(ledgerctl_cli("catchup", "--json", env=env_of(fake_stripe)).stdout)
+    assert (run["listed"], run["skipped"], run["recorded"], run["missed"]) == (3, 2, 1, 1)
+    assert kit.query("SELECT id FROM ledger.events WHERE id = ANY(%s)", ([e["id"] for e in recent],)) == [
+        {"id": recent[2]["id"]}]
+
+
+def test_ledgerctl_shows_the_rows_a_thin_notification_wrote_under_its_snapshot_twins_id(
+        kit, settings, fake_stripe, ledgerctl_cli):
+    history = history_with_current_state(fake_stripe)
+    note = thin_of(history.events[1], fake=fake_stripe)
+    assert processor(kit, settings, fake_stripe).process(kit.record(note)) is Outcome.PROCESSED
+    shown = json.loads(ledgerctl_cli("events", "show", note["id"], "--json").stdout)
+    assert {(r["table_name"], r["row_id"].split()[0]) for r in shown["domain_rows"]} == {
+        ("billing.subscriptions", history.subscription_id),
+        ("billing.subscription_transitions", history.subscription_id)}

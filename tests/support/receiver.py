@@ -95,7 +95,6 @@ def drop_queue(broker_url: str, name: str) -> None:
         pass
 
 
-@dataclass
 class CountingClient:
     """A receiver app's test client, and the ledger's row counts (events, deliveries, attempts) since it
     was made (``baseline``): what a fuzz test compares after every request."""
@@ -112,6 +111,7 @@ class CountingClient:
             "(SELECT count(*) FROM ledger.attempts)").fetchone()
 
 
+@dataclass
 class WakeupQueue:
     redis_url: str
     name: str

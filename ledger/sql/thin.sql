@@ -1,3 +1,5 @@
+-- Thin event notifications (workers/thin.py, workers/health.py): health alerts, snapshot twins.
+
 -- name: health_alert_record
 -- Worker, in the apply transaction of a v2.core.health.event_generation_failure.resolved
 -- notification: the alert and what was done about it. Keyed by the notification's id, so a
@@ -17,3 +19,12 @@ SELECT event_id, alert_id, failed_event_type, related_object_type, related_objec
   FROM ledger.health_alerts
  ORDER BY recorded_at DESC, event_id
  LIMIT %(limit)s
+
+-- name: event_record_snapshot_twin
+-- Worker, in the apply transaction of a thin v1 notification that Stripe says is the thin
+-- version of a snapshot event: the pair, so that catch-up counts the snapshot id as known and
+-- inspection finds the rows (they carry the snapshot id). The first notification of a snapshot
+-- id keeps it; a second one (a replay) records nothing new.
+INSERT INTO ledger.snapshot_twins (snapshot_event_id, event_id)
+VALUES (%(snapshot_event_id)s, %(event_id)s)
+ON CONFLICT (snapshot_event_id) DO NOTHING
