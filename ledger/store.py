@@ -93,6 +93,21 @@ class EventStore:
 LEASE_NOT_HELD = "LL001"
 
 
+@contextmanager
+def _unprepared(conn: psycopg.Connection) -> Iterator[None]:
+    """No server-side prepared statements on ``conn`` meanwhile. In a pipelined batch, a member rolled
+    back to its savepoint after a deadlock made psycopg's cache of prepared statements disagree with
+    the server's: every later member of that batch failed with InvalidSqlStatementName (ops/bench
+    steady logged runs of 20 and more after one deadlock). Unprepared, each statement is parsed again
+    (docs/benchmarks.md measures what that costs)."""
+    threshold = conn.prepare_threshold
+    conn.prepare_threshold = None
+    try:
+        yield
+    finally:
+        conn.prepare_threshold = threshold
+
+
 class BatchLost(LedgerError):
     """The batch's transaction is gone (its connection broke): nothing of the batch commits."""
 
@@ -196,7 +211,7 @@ class WorkerLedger:
         raised inside it, so only what the caller lets through) rolls the whole batch back;
         so does a failed COMMIT, whose error is raised.
         """
-        with self._pool.get().connection() as conn:
+        with self._pool.get().connection() as conn, _unprepared(conn):
             try:
                 with conn.pipeline() as pipeline:
                     conn.execute("BEGIN")

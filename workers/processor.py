@@ -15,7 +15,8 @@ recorded and its wake-ups sent.
 A thin event notification is fetched first (workers/thin.py: the object or the v2 event
 it points at), after the claim and before the apply transaction opens, so no transaction
 or pooled connection waits on Stripe; a failed fetch is the attempt's failure, classified
-like any other. A batch fetches its thin members before its one transaction.
+like any other. A batch fetches its thin members before its one transaction, up to
+``fetch_concurrency`` at once (threads that only wait on Stripe).
 
 The Celery task is a thin shell around ``process`` and ``process_batch``
 (workers/tasks.py, workers/batching.py); this module knows nothing about Celery,
@@ -28,6 +29,7 @@ import logging
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Sequence
@@ -64,8 +66,10 @@ class EventProcessor(LeasedWork):
     # host:pid of the process that runs the attempt (read when built, i.e. after fork).
     worker_name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     # What thin notifications point at, fetched from Stripe's API (None: a thin notification fails
-    # permanently, stripe_api_key_missing).
+    # permanently, stripe_api_key_missing); a batch fetches up to fetch_concurrency at once.
     fetcher: ThinFetcher | None = None
+    fetch_concurrency: int = 1
+    _fetch_threads: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
 
     status = EventStatus
     finished = EventStatus.PROCESSED
@@ -76,7 +80,8 @@ class EventProcessor(LeasedWork):
     def from_settings(cls, settings: Settings, ledger: WorkerLedger, registry: HandlerRegistry,
                       waker: Waker | None, enabled_effects: frozenset[str] = frozenset()) -> "EventProcessor":
         return cls(ledger=ledger, registry=registry, policy=RetryPolicy.from_settings(settings), waker=waker,
-                   lease_s=settings.lease_s, enabled_effects=enabled_effects, fetcher=ThinFetcher(settings))
+                   lease_s=settings.lease_s, enabled_effects=enabled_effects, fetcher=ThinFetcher(settings),
+                   fetch_concurrency=settings.stripe_fetch_concurrency)
 
     def process(self, event_id: str) -> Outcome:
         claim = self.ledger.claim(event_id, worker=self.worker_name, lease_s=self.lease_s)
@@ -115,22 +120,25 @@ class EventProcessor(LeasedWork):
         """The work of a batch: every claim's result (as ``_conclude`` takes it) once the batch's
         transaction has ended; the wake-ups of the effects it committed are sent."""
         results: dict[str, Failure | LeaseLost | None] = {}
-        to_apply: list[tuple[Claim, Applied]] = []
+        to_fetch: list[Claim] = []
         for claim in claims:
             if claim.rescued:
                 metrics.LEASE_RESCUES.inc()
             refused = self._refused(claim)
             if refused is not None:
                 results[claim.event_id] = refused
-                continue
-            fetched = self._fetch(claim)  # before the batch's transaction opens
-            if isinstance(fetched, Failure):
-                results[claim.event_id] = fetched
             else:
-                to_apply.append((claim, fetched))
+                to_fetch.append(claim)
+        fetched = self._fetch_all(to_fetch)  # before the batch's transaction opens
+        to_apply: list[tuple[Claim, Applied]] = []
+        for claim in to_fetch:
+            if isinstance(fetched[claim.event_id], Failure):
+                results[claim.event_id] = fetched[claim.event_id]
+            else:
+                to_apply.append((claim, fetched[claim.event_id]))
         if not to_apply:
             return results
-        applied: list[ApplyContext] = []
+        applied: list[tuple[Claim, ApplyContext]] = []
         try:
             with self.ledger.applying_batch() as batch:
                 out_of_time: Failure | None = None
@@ -140,7 +148,7 @@ class EventProcessor(LeasedWork):
                         continue
                     result = self._apply_member(batch, claim, event)
                     if isinstance(result, ApplyContext):
-                        applied.append(result)
+                        applied.append((claim, result))  # by the claim: a thin one's context has its twin's id
                         continue
                     results[claim.event_id] = result
                     if isinstance(result, Failure) and result.reason == "time_limit":
@@ -152,8 +160,8 @@ class EventProcessor(LeasedWork):
             for claim, _ in to_apply:
                 results.setdefault(claim.event_id, failure)
             return results
-        for context in applied:
-            results[context.event_id] = None
+        for claim, context in applied:
+            results[claim.event_id] = None
             self._after_commit(context)
         return results
 
@@ -204,6 +212,27 @@ class EventProcessor(LeasedWork):
             return self.fetcher.fetch(claim)
         except Exception as exc:  # classified right here, where it is caught
             return classify(exc)
+
+    def _fetch_all(self, claims: list[Claim]) -> dict[str, Applied | Failure]:
+        """``_fetch`` of every claim, by event id; a batch's thin notifications up to fetch_concurrency at
+        once, in threads of this process (each fetch only waits on Stripe)."""
+        thin_claims = [claim for claim in claims if thin.is_thin(claim.payload)]
+        if len(thin_claims) < 2 or self.fetch_concurrency < 2:
+            return {claim.event_id: self._fetch(claim) for claim in claims}
+        if self._fetch_threads is None:
+            self._fetch_threads = ThreadPoolExecutor(self.fetch_concurrency, thread_name_prefix="thin-fetch")
+        futures = {claim.event_id: self._fetch_threads.submit(self._fetch, claim) for claim in thin_claims}
+        results = {claim.event_id: self._fetch(claim) for claim in claims if claim.event_id not in futures}
+        for event_id, future in futures.items():
+            try:
+                results[event_id] = future.result()
+            except Exception as exc:  # raised in this thread while it waits: the task's soft time limit
+                failure = classify(exc)
+                for pending_id, pending in futures.items():
+                    pending.cancel()
+                    results.setdefault(pending_id, failure)
+                break
+        return results
 
     def _run_handlers(self, conn: psycopg.Connection, claim: Claim, event: Applied) -> ApplyContext:
         """Every handler of the event's type, in order, on the apply transaction's connection, once the

@@ -31,6 +31,7 @@ touches Postgres.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -110,6 +111,9 @@ class ThinFetcher:
     def __init__(self, settings: Settings):
         self._settings = settings
         self._api: StripeApi | None = None
+        # fetch() runs in several threads at once (a batch's notifications): the client is made once.
+        # Its HTTP sessions are per thread (stripe's RequestsClient).
+        self._lock = threading.Lock()
 
     def fetch(self, claim: Claim) -> Applied:
         notification = claim.payload
@@ -180,12 +184,13 @@ class ThinFetcher:
         return self._api_client().get(path, context=context)
 
     def _api_client(self) -> StripeApi:
-        if self._api is None:
-            if not self._settings.stripe_api_key:
-                raise MissingStripeKey()
-            self._api = StripeApi(self._settings, rule=RetryRule(attempts=1,
-                                                                  timeout_s=self._settings.stripe_fetch_timeout_s))
-        return self._api
+        if not self._settings.stripe_api_key:
+            raise MissingStripeKey()
+        with self._lock:
+            if self._api is None:
+                self._api = StripeApi(self._settings, rule=RetryRule(
+                    attempts=1, timeout_s=self._settings.stripe_fetch_timeout_s))
+            return self._api
 
 
 def _iso(when: datetime) -> str:

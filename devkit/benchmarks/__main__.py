@@ -125,6 +125,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="steady concurrency levels (default 1,8,32)")
     parser.add_argument("--steady-events", type=int,
                         help="steady: events per level, plus 5%% redeliveries (default 6000; --quick 600)")
+    parser.add_argument("--payload", dest="steady_payload", choices=("snapshot", "thin", "both"), default="snapshot",
+                        help="steady: snapshot events (default), their thin twins (POSTed to /webhooks/stripe/thin; "
+                             "the workers fetch each from a fake Stripe API process the bench starts), or both, "
+                             "taking turns per level")
+    parser.add_argument("--thin-snapshot-twin", action=argparse.BooleanOptionalAction, default=None,
+                        help="steady --payload thin|both: the v2 events the workers fetch name the snapshot event "
+                             "of the same change (snapshot_event), as Stripe's do when it has one (default: on)")
+    parser.add_argument("--fake-latency-ms", dest="thin_latency_ms", type=float, default=0.0,
+                        help="steady --payload thin|both: the fake Stripe API answers each request after this long "
+                             "(Stripe takes 100-400 ms; default 0)")
+    parser.add_argument("--fetch-concurrency", type=int,
+                        help="steady --payload thin|both: the workers' STRIPE_FETCH_CONCURRENCY (default: its default)")
     parser.add_argument("--compare", metavar="REV",
                         help="also run git revision REV's product (receiver, workers, sweep, migrations) under this "
                              "harness, in the same run: steady takes turns per level, any other scenario runs once "
@@ -143,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.scenario:
         parser.error("name a scenario, or all")
+    if args.steady_payload != "snapshot" and args.compare:
+        parser.error("--payload thin|both measures this checkout only: it cannot be combined with --compare")
 
     out = args.out or Path(tempfile.mkdtemp(prefix="ledger-bench-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -152,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
                         receiver_server=args.receiver_server, receiver_workers=args.receiver_workers,
                         receiver_threads=args.receiver_threads,
                         burst_worker_nice=args.burst_worker_nice, steady_levels=args.steady_levels,
-                        steady_events=args.steady_events, compare=args.compare)
+                        steady_events=args.steady_events, steady_payload=args.steady_payload,
+                        thin_snapshot_twin=args.thin_snapshot_twin, thin_latency_ms=args.thin_latency_ms,
+                        fetch_concurrency=args.fetch_concurrency,
+                        compare=args.compare)
     names = list(ALL) if args.scenario == "all" else [n.strip() for n in args.scenario.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown or not names:

@@ -44,13 +44,14 @@ function init(args)
   local path = args[1] .. "." .. id
   local f = assert(io.open(path, "rb"))
   while true do
+    local path = f:read("*l")
+    if not path then break end
     local sig = f:read("*l")
-    if not sig then break end
     local len = tonumber(f:read("*l"))
     local body = f:read(len)
     f:read(1)
     n = n + 1
-    reqs[n] = wrk.format("POST", "/webhooks/stripe",
+    reqs[n] = wrk.format("POST", path,
                          {["Content-Type"] = "application/json", ["Stripe-Signature"] = sig}, body)
   end
   f:close()
@@ -129,14 +130,16 @@ class Wrk:
         self._runs = 0
 
     def write_requests(self, deliveries: list[SignedDelivery], threads: int) -> Path:
-        """Split the deliveries over the threads' files; returns the path prefix."""
+        """Split the deliveries over the threads' files (per request: endpoint, signature, length, body);
+        returns the path prefix."""
         self._runs += 1
         prefix = self.work_dir / f"requests-{self._runs}"
         for t in range(threads):
             with open(f"{prefix}.{t}", "wb") as fh:
                 for d in deliveries[t::threads]:
                     data = d.body.encode()
-                    fh.write(d.signature.encode() + b"\n" + str(len(data)).encode() + b"\n" + data + b"\n")
+                    fh.write(d.path.encode() + b"\n" + d.signature.encode() + b"\n" + str(len(data)).encode()
+                             + b"\n" + data + b"\n")
         return prefix
 
     def run(self, port: int, deliveries: list[SignedDelivery], connections: int, *,

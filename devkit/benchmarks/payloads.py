@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from devkit.factories import BASIL_API, OLD_API, SubscriptionHistory, sign
+from devkit.factories import BASIL_API, OLD_API, SubscriptionHistory, sign, thin_twin, v2_event
 
 from devkit.procs import REPO
 
@@ -37,6 +37,10 @@ _SHAPES = {"subscription": "customer.subscription.updated__rubymock_1.json",
 
 # Fields of the dressing shapes that basil-era (2025-03-31) objects no longer carry there.
 _MOVED_BY_BASIL = {"subscription": ("current_period_start", "current_period_end"), "invoice": ("subscription",)}
+
+# The receiver's endpoints: snapshot events, and the thin notifications of an event destination.
+SNAPSHOT_PATH = "/webhooks/stripe"
+THIN_PATH = "/webhooks/stripe/thin"
 
 MIN_INGEST_BYTES = 3 * 1024
 MAX_INGEST_BYTES = 10 * 1024
@@ -152,6 +156,36 @@ class SignedDelivery:
     event_id: str
     body: str
     signature: str
+    path: str = SNAPSHOT_PATH  # the endpoint it is POSTed to
+
+
+@dataclass(frozen=True)
+class ThinLoad:
+    """The thin twins of some snapshot events, and what Stripe's API answers the workers' fetches for them."""
+    notifications: list[dict[str, Any]]  # in the snapshot events' order
+    v2_events: list[dict[str, Any]]      # GET /v2/core/events/{id} of each, naming its snapshot twin
+    objects: list[dict[str, Any]]        # every object a notification names, in its last state
+
+
+def thin_load(snapshots: Iterable[dict[str, Any]], *, name_snapshot_twin: bool = True) -> ThinLoad:
+    """``snapshots`` (ordered by ``created``) as an event destination sends them, thin.
+
+    A fetch answers the object as it is now, not as the event saw it; the API holds each object
+    in the state of its last event, what a worker that fetches after the whole burst would get.
+    ``name_snapshot_twin``: each v2 event names its snapshot event (``snapshot_event``), as
+    Stripe's do when it generated one for the same change.
+    """
+    notifications, v2_events, objects = [], [], {}
+    for evt in snapshots:
+        note = thin_twin(evt)
+        notifications.append(note)
+        v2 = v2_event(note)
+        if name_snapshot_twin:
+            v2["snapshot_event"] = evt["id"]
+        v2_events.append(v2)
+        obj = evt["data"]["object"]
+        objects[obj["id"]] = obj
+    return ThinLoad(notifications, v2_events, list(objects.values()))
 
 
 def signed_deliveries(templates: list[dict[str, Any]], count: int, secret: str, *,

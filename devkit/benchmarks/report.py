@@ -198,6 +198,9 @@ def steady_row(run: dict[str, Any], base: dict[str, Any] | None = None, *, targe
     row.update({g: f"{run['cpu_ms'].get(g, 0.0):.2f}" for g in STEADY_CPU_GROUPS})
     row["total"] = total
     row["client: wrk"] = f"{run['client_cpu_ms']['wrk']:.2f}"
+    if "stripe_api" in run:  # a thin level: the workers' fetches, and the fake that answered them
+        row["Stripe API requests/event"] = f"{run['stripe_api']['per_event']:.2f}"
+        row["client: fake Stripe API"] = f"{run['client_cpu_ms']['fake Stripe API']:.2f}"
     row["errors"] = str(run["errors"])
     return row
 
@@ -276,6 +279,67 @@ def steady_compare_table(result: dict[str, Any], figures, *, markdown: bool = Fa
     return (md_table if markdown else table)(rows, _cells(rows))
 
 
+# Stripe's own answer time for a retrieve, from the fake's ~1 ms to a slow real one: what the fetch
+# costs a worker process that waits for it (a prefork pool child handles one task at a time).
+STRIPE_LATENCIES_S = (0.1, 0.4)
+
+
+def steady_payload_runs(result: dict[str, Any]) -> dict[str, dict[int, dict[str, Any]]]:
+    """The current revision's levels by payload ("snapshot", "thin"), each by concurrency."""
+    current, _ = steady_sides(result)
+    by_payload = current.get("payload_runs") or {result.get("payloads", ["snapshot"])[0]: current["runs"]}
+    return {kind: {r["concurrency"]: r for r in runs} for kind, runs in by_payload.items()}
+
+
+def steady_payload_rows(result: dict[str, Any]) -> list[dict[str, str]]:
+    """Per level, a snapshot row and a thin row (the thin row with thin/snapshot ratios)."""
+    runs = steady_payload_runs(result)
+    snapshot, thin = runs.get("snapshot", {}), runs.get("thin", {})
+    rows = []
+    for c in result["levels"]:
+        for kind, run in (("snapshot", snapshot.get(c)), ("thin", thin.get(c))):
+            if run is None:
+                continue
+            base = snapshot.get(c) if kind == "thin" else None
+            ratio = lambda f: f" ({f(run) / f(base):.2f}×)" if base and f(base) else ""  # noqa: E731
+            api = run.get("stripe_api")
+            rows.append({
+                "c": str(c), "payload": kind, "ack req/s": f"{run['ack_rps']:.1f}",
+                "ack p50 ms": f"{run['ack_p50_ms']:.1f}", "ack p99 ms": f"{run['ack_p99_ms']:.1f}",
+                "end-to-end events/s": f"{run['e2e_eps']:.1f}" + ratio(lambda r: r["e2e_eps"]),
+                "backlog at last ack": str(run["backlog_at_last_ack"]),
+                "longest wait s": f"{run['max_wait_s']:.1f}",
+                "receiver": f"{run['cpu_ms'].get('receiver', 0.0):.2f}",
+                "workers (parents + children)": f"{run['cpu_ms'].get('worker parents', 0.0) + run['cpu_ms'].get('worker pool children', 0.0):.2f}",
+                "Postgres": f"{run['cpu_ms'].get('Postgres', 0.0):.2f}",
+                "CPU total": f"{run['cpu_ms_total']:.2f}" + ratio(lambda r: r["cpu_ms_total"]),
+                "Stripe API requests/event": f"{api['per_event']:.2f}" if api else "-",
+                "fake Stripe API CPU": f"{run['client_cpu_ms']['fake Stripe API']:.2f}" if api else "-",
+                "errors": str(run["errors"])})
+    return rows
+
+
+def steady_payload_table(result: dict[str, Any], *, markdown: bool = False) -> str:
+    rows = steady_payload_rows(result)
+    return (md_table if markdown else table)(rows, _cells(rows))
+
+
+def thin_fetch_lines(result: dict[str, Any]) -> list[str]:
+    """What each thin level's rate would need against Stripe instead of the fake: pool processes
+    waiting on fetches = events/s × requests/event × answer time (Little's law)."""
+    pool = result.get("workers", 2) * result.get("worker_concurrency", 2)
+    out = []
+    for c, run in steady_payload_runs(result).get("thin", {}).items():
+        per_event = run["stripe_api"]["per_event"]
+        lo, hi = STRIPE_LATENCIES_S
+        out.append(f"c={c}: {run['e2e_eps']:.1f} events/s × {per_event:.2f} requests/event needs "
+                   f"{run['e2e_eps'] * per_event * lo:.0f} ({1000 * lo:.0f} ms answers) to "
+                   f"{run['e2e_eps'] * per_event * hi:.0f} ({1000 * hi:.0f} ms) pool processes waiting on Stripe "
+                   f"at once; the stack's {pool} would hold it to {pool / (per_event * lo):.1f} to "
+                   f"{pool / (per_event * hi):.1f} events/s")
+    return out
+
+
 def steady_summary(result: dict[str, Any]) -> tuple[str, str]:
     current, baseline = steady_sides(result)
     base = _by_level(baseline)
@@ -306,9 +370,27 @@ def steady_summary(result: dict[str, Any]) -> tuple[str, str]:
             if c in base:
                 values[f"e2e_ratio_c{c}"] = steady_e2e_ratio(r, base[c])
                 values[f"cpu_ratio_c{c}"] = r["cpu_ms_total"] / base[c]["cpu_ms_total"] if base[c]["cpu_ms_total"] else 0
+    payload_runs = steady_payload_runs(result)
+    if "thin" in payload_runs:
+        if "snapshot" in payload_runs:
+            parts.append("thin notifications next to snapshot events (current revision; CPU: ms per processed "
+                         "event; ratio thin/snapshot)\n" + steady_payload_table(result))
+        parts.append("thin levels against Stripe's answer times instead of the fake's (~1 ms):\n"
+                     + "\n".join(f"  {line}" for line in thin_fetch_lines(result)))
+        values["payload"] = "+".join(payload_runs)
+        snapshot = payload_runs.get("snapshot", {})
+        for c, r in payload_runs["thin"].items():
+            values.update({f"thin_e2e_eps_c{c}": r["e2e_eps"], f"thin_ack_p50_ms_c{c}": r["ack_p50_ms"],
+                           f"thin_ack_p99_ms_c{c}": r["ack_p99_ms"], f"thin_cpu_ms_c{c}": r["cpu_ms_total"],
+                           f"thin_api_requests_per_event_c{c}": r["stripe_api"]["per_event"],
+                           f"thin_fake_api_cpu_ms_c{c}": r["client_cpu_ms"]["fake Stripe API"]})
+            if c in snapshot and snapshot[c]["e2e_eps"] and snapshot[c]["cpu_ms_total"]:
+                values[f"thin_e2e_ratio_c{c}"] = r["e2e_eps"] / snapshot[c]["e2e_eps"]
+                values[f"thin_cpu_ratio_c{c}"] = r["cpu_ms_total"] / snapshot[c]["cpu_ms_total"]
     targets = steady_targets(result)
     parts.append("targets:\n" + "\n".join(f"  {t}: {what} -> {_met(ok)}" for t, what, ok in targets.values()))
-    values["errors"] = sum(r["errors"] for side in result["revisions"] for r in side["runs"])
+    values["errors"] = sum(r["errors"] for side in result["revisions"]
+                           for runs in (side.get("payload_runs") or {"": side["runs"]}).values() for r in runs)
     values.update({key: "met" if ok else "not_met" for key, (_, _, ok) in targets.items()})
     return "\n\n".join(parts), kv("steady", values)
 

@@ -21,10 +21,11 @@ from typing import Any, Callable
 import psycopg
 from psycopg import sql as pg_sql
 
-from devkit.procs import Cleanup, venv_tool
+from devkit.procs import Cleanup, cpu_seconds, venv_tool
 from devkit.servers import PrivateRedis
 from devkit.sql import SQL, compose
 from devkit.stack import DEFAULT_RECEIVER_SERVER, Checkout, Receiver
+from devkit.stripe_api import DEFAULT_API_KEY, FakeStripe, FakeStripeProcess
 from ledger.migrate import migrate
 from ledger.config import Settings
 from ledger.queries import SQL as LEDGER_SQL
@@ -39,6 +40,8 @@ from .workload import (BacklogEvent, DrainScript, EventSource, drop_queue, histo
                        push_wakeups, redis_commands)
 
 SECRET = "whsec_bench_0123456789abcdefghij"
+# The event destination's secret (thin notifications, /webhooks/stripe/thin): a list of its own.
+THIN_SECRET = "whsec_bench_thin_0123456789abcdef"
 QUEUE = "bench-events"
 # Replayed requests are signed before the run starts: a tolerance of a day keeps them valid.
 # Verification costs the same whatever the timestamp's age (one HMAC-SHA256 either way).
@@ -72,6 +75,15 @@ class Options:
     # (plus STEADY_REDELIVERY_SHARE of redeliveries), the ledger emptied between levels.
     steady_levels: tuple[int, ...] = (1, 8, 32)
     steady_events: int = 6_000
+    # What steady sends (--payload): snapshot events, their thin twins (the workers fetch each
+    # from a fake Stripe API), or both, taking turns per level.
+    steady_payload: str = "snapshot"
+    # Thin levels: the v2 events the workers fetch name their snapshot twin (--no-thin-snapshot-twin: not).
+    thin_snapshot_twin: bool = True
+    # Thin levels: how long the fake takes to answer each request (--fake-latency-ms; Stripe takes
+    # 100-400 ms), and the workers' STRIPE_FETCH_CONCURRENCY (--fetch-concurrency; None: the default).
+    thin_latency_ms: float = 0.0
+    fetch_concurrency: int | None = None
     # --compare REV: that revision's product measured beside this checkout's (revisions.py).
     compare: str | None = None
     out_dir: Path = field(default_factory=lambda: Path("/tmp"))
@@ -299,6 +311,16 @@ class Bench:
         """A delivery of each of ``events`` as they are (ids and bodies kept), signed now."""
         now = int(time.time())
         return [SignedDelivery(e.id, e.body, payloads.sign(e.body, SECRET, timestamp=now)) for e in events]
+
+    def signed_thin(self, notifications: list[dict[str, Any]]) -> list[SignedDelivery]:
+        """A delivery of each thin notification to /webhooks/stripe/thin, signed now with the destination's secret."""
+        now = int(time.time())
+        out = []
+        for note in notifications:
+            text = payloads.body(note)
+            out.append(SignedDelivery(note["id"], text, payloads.sign(text, THIN_SECRET, timestamp=now),
+                                      path=payloads.THIN_PATH))
+        return out
 
     def meter(self, groups: Callable[[], dict[str, list[int]]]) -> "Meter":
         return Meter(self, groups)
@@ -772,51 +794,119 @@ def _wait_processed(b: Bench, rc: Receiver, unique: list[SignedDelivery], timeou
     return resent
 
 
-def _steady_level(b: Bench, c: int) -> dict[str, Any]:
+class ThinApi:
+    """The Stripe API of a thin level: a fake (``python -m devkit.stripe_api``) started with every object
+    and v2 event the level's notifications name, and the workers' settings that point at it."""
+
+    def __init__(self, b: Bench, loads: list[payloads.ThinLoad], name: str):
+        state = FakeStripe(DEFAULT_API_KEY)
+        for load in loads:
+            state.put_objects(load.objects)
+            for v2 in load.v2_events:
+                state.add_v2_event(v2)
+        path = b.work / f"{name}-state.json"
+        path.write_text(json.dumps(state.state()))
+        self.process = FakeStripeProcess(b.work, state=path, latency_ms=b.opts.thin_latency_ms)
+        self._fetch_concurrency = b.opts.fetch_concurrency
+
+    def start(self) -> "ThinApi":
+        self.process.start()
+        return self
+
+    def stop(self) -> None:
+        self.process.stop(grace_s=5)
+
+    def env(self) -> dict[str, str]:
+        env = {"STRIPE_THIN_WEBHOOK_SECRET": THIN_SECRET, "STRIPE_API_KEY": self.process.api_key,
+               "STRIPE_API_BASE": self.process.base_url}
+        if self._fetch_concurrency is not None:
+            env["STRIPE_FETCH_CONCURRENCY"] = str(self._fetch_concurrency)
+        return env
+
+    def requests(self) -> dict[str, Any]:
+        """What the workers asked the fake since the last ``clear``: counts by kind, and the answers that failed."""
+        reqs = self.process.control.requests
+        return {"requests": len(reqs),
+                "v2_events": sum(r.path.startswith("/v2/core/events/") for r in reqs),
+                "objects": sum(r.path.startswith("/v1/") for r in reqs),
+                "failed": sum((r.status or 0) >= 400 for r in reqs)}
+
+
+def _steady_level(b: Bench, c: int, payload: str = "snapshot") -> dict[str, Any]:
     """One level on the active side: a fresh stack, warmed up, on an empty ledger; then every
-    delivery sent at concurrency ``c`` and the run timed until every event is processed."""
+    delivery sent at concurrency ``c`` and the run timed until every event is processed.
+
+    ``payload`` "thin": the deliveries are the thin twins of the same events, POSTed to
+    /webhooks/stripe/thin, and the workers fetch each from a fake Stripe API of this level's own.
+    """
     opts = b.opts
     side = b.side.label
     events = b.steady_source.backlog(opts.steady_events)
-    unique = b.signed(events)
+    warm_events = b.steady_source.backlog(200)
+    env, api = b.env, None
+    if payload == "thin":
+        twin = opts.thin_snapshot_twin
+        load = payloads.thin_load((json.loads(e.body) for e in events), name_snapshot_twin=twin)
+        warm_load = payloads.thin_load((json.loads(e.body) for e in warm_events), name_snapshot_twin=twin)
+        unique, warm = b.signed_thin(load.notifications), b.signed_thin(warm_load.notifications)
+        api = ThinApi(b, [warm_load, load], f"fake-stripe-{side}-c{c}")
+    else:
+        unique, warm = b.signed(events), b.signed(warm_events)
     deliveries = with_redeliveries(unique, STEADY_REDELIVERY_SHARE, seed=c)
-    warm = b.signed(b.steady_source.backlog(200))
     b.stop_receiver()  # only this level's stack runs
-    stack = Stack(b.env, b.work, queue=QUEUE, label=f"steady-{side}-c{c}-", checkout=b.checkout,
-                  receiver_server=opts.receiver_server, receiver_workers=opts.receiver_workers,
-                  receiver_threads=opts.receiver_threads)
-    b.cleanup.add("steady stack", stack.stop)
+    tag = "" if payload == "snapshot" else f"{payload}-"
+    # Cleanup.remove matches by identity: one bound method each, added and removed.
+    stop_api = api.stop if api is not None else None
     try:
-        b.clear()
-        stack.start()
-        rc = stack.receiver
-        b.wrk.run(rc.port, warm, 8, max_duration_s=60)  # warm-up: imports, pools, prepared statements
-        _wait_processed(b, rc, warm, timeout_s=120)
-        b.clear()
-        # Statements, round trips and Redis commands per event too (Meter); not transactions,
-        # which Postgres 15 publishes only as the backends exit.
-        meter = b.meter(lambda: {**stack.pids(), "Redis": [b.redis.pid]})
-        ids = [d.event_id for d in unique]
-        processed = lambda: b.db.one(SQL.bench_events_processed_count, {"ids": ids})  # noqa: E731
-        meter.begin_sql()
-        self0 = resource.getrusage(resource.RUSAGE_SELF)
-        meter.begin_cpu(processed)
-        r = b.wrk.run(rc.port, deliveries, c, max_duration_s=600)
-        backlog = b.db.unfinished()
-        resent = _wait_processed(b, rc, unique, timeout_s=max(300, len(unique) / 10))
-        meter.end_cpu(processed)
-        self1 = resource.getrusage(resource.RUSAGE_SELF)
-        cost = meter.finish("event_finish_if_lease_held")
-        stats = _run_stats(b, ids)
-        rss = ProcessWatch(stack.pids).peak_rss_mb()
+        if api is not None:
+            b.cleanup.add("fake Stripe API", stop_api)
+            api.start()
+            env = {**b.env, **api.env()}
+        stack = Stack(env, b.work, queue=QUEUE, label=f"steady-{tag}{side}-c{c}-", checkout=b.checkout,
+                      receiver_server=opts.receiver_server, receiver_workers=opts.receiver_workers,
+                      receiver_threads=opts.receiver_threads)
+        stop_stack = stack.stop
+        b.cleanup.add("steady stack", stop_stack)
+        try:
+            b.clear()
+            stack.start()
+            rc = stack.receiver
+            b.wrk.run(rc.port, warm, 8, max_duration_s=60)  # warm-up: imports, pools, prepared statements
+            _wait_processed(b, rc, warm, timeout_s=120)
+            b.clear()
+            if api is not None:
+                api.process.control.clear_requests()
+            # Statements, round trips and Redis commands per event too (Meter); not transactions,
+            # which Postgres 15 publishes only as the backends exit.
+            meter = b.meter(lambda: {**stack.pids(), "Redis": [b.redis.pid]})
+            ids = [d.event_id for d in unique]
+            processed = lambda: b.db.one(SQL.bench_events_processed_count, {"ids": ids})  # noqa: E731
+            meter.begin_sql()
+            self0 = resource.getrusage(resource.RUSAGE_SELF)
+            fake0 = cpu_seconds(api.process.pid) if api is not None else 0.0
+            meter.begin_cpu(processed)
+            r = b.wrk.run(rc.port, deliveries, c, max_duration_s=600)
+            backlog = b.db.unfinished()
+            resent = _wait_processed(b, rc, unique, timeout_s=max(300, len(unique) / 10))
+            meter.end_cpu(processed)
+            fake_s = cpu_seconds(api.process.pid) - fake0 if api is not None else 0.0
+            self1 = resource.getrusage(resource.RUSAGE_SELF)
+            fetches = api.requests() if api is not None else None
+            cost = meter.finish("event_finish_if_lease_held")
+            stats = _run_stats(b, ids)
+            rss = ProcessWatch(stack.pids).peak_rss_mb()
+        finally:
+            stop_stack()
+            b.cleanup.remove(stop_stack)
     finally:
-        stack.stop()
-        b.cleanup.remove(stack.stop)
+        if api is not None:
+            stop_api()
+            b.cleanup.remove(stop_api)
     cpu = {**meter.cpu, "Postgres": meter.pg_cpu}
     n = max(stats["processed"], 1)
     e2e_s = stats["last_processed"] - r.started_at
     driver_s = (self1.ru_utime - self0.ru_utime) + (self1.ru_stime - self0.ru_stime)
-    row = {"concurrency": c, "deliveries": len(deliveries), "events": len(unique),
+    row = {"concurrency": c, "payload": payload, "deliveries": len(deliveries), "events": len(unique),
            "redeliveries": len(deliveries) - len(unique), "processed": stats["processed"],
            "not_processed": stats["not_processed"], "errors": r.errors + stats["not_processed"], "resent": resent,
            "ack_rps": r.rps, "ack_p50_ms": r.p50_ms, "ack_p99_ms": r.p99_ms, "ack_s": r.duration_s,
@@ -827,36 +917,57 @@ def _steady_level(b: Bench, c: int) -> dict[str, Any]:
            "wrk_cpu_pct": r.wrk_cpu_pct, "peak_rss_mb": rss,
            **{k: cost[k] for k in ("statements_per_event", "round_trips_per_event", "statements_by_name",
                                    "exec_ms_by_name", "redis_commands_per_event", "redis_by_command")}}
-    log(f"  steady [{side}] c={c:<3} ack {r.rps:7.1f} req/s p50 {r.p50_ms:6.1f} ms p99 {r.p99_ms:7.1f} ms | "
+    api_note = ""
+    if fetches is not None:
+        # The fake stands in for Stripe: its CPU is not the product's (not in the total), like wrk's.
+        row["client_cpu_ms"]["fake Stripe API"] = 1000 * fake_s / n
+        row["stripe_api"] = {**fetches, "per_event": fetches["requests"] / n,
+                             "v2_events_per_event": fetches["v2_events"] / n,
+                             "objects_per_event": fetches["objects"] / n}
+        api_note = (f" | Stripe API {row['stripe_api']['per_event']:.2f} requests/event "
+                    f"({fetches['failed']} failed), fake {row['client_cpu_ms']['fake Stripe API']:.2f} ms/event")
+    log(f"  steady [{side}{'' if payload == 'snapshot' else ' ' + payload}] c={c:<3} ack {r.rps:7.1f} req/s "
+        f"p50 {r.p50_ms:6.1f} ms p99 {r.p99_ms:7.1f} ms | "
         f"end-to-end {row['e2e_eps']:7.1f} events/s ({stats['processed']} in {e2e_s:.1f}s, backlog at the last "
-        f"ack {backlog}) | CPU {row['cpu_ms_total']:.2f} ms/event | errors {row['errors']}")
+        f"ack {backlog}) | CPU {row['cpu_ms_total']:.2f} ms/event{api_note} | errors {row['errors']}")
     b.clear()
     return row
+
+
+STEADY_PAYLOADS = {"snapshot": ("snapshot",), "thin": ("thin",), "both": ("snapshot", "thin")}
 
 
 def steady(b: Bench) -> dict[str, Any]:
     """The whole stack as README runs it, fed at each concurrency until every event is processed.
 
     With ``--compare``, the older revision and this checkout take turns per level (older
-    c=1, current c=1, older c=8, ...), so that drift of the shared machine hits both alike.
+    c=1, current c=1, older c=8, ...), so that drift of the shared machine hits both alike;
+    with ``--payload both``, snapshot events and their thin twins do (snapshot c=1, thin c=1, ...).
+    Each revision's ``runs`` are its levels of the first payload; ``payload_runs`` all of them.
     """
     opts = b.opts
+    kinds = STEADY_PAYLOADS[opts.steady_payload]
     log(f"steady: {opts.steady_events:,} events per level (+{100 * STEADY_REDELIVERY_SHARE:.0f}% redeliveries), "
-        f"concurrency {', '.join(map(str, opts.steady_levels))}; revisions: {', '.join(s.label for s in b.sides)}")
-    runs: dict[str, list[dict[str, Any]]] = {s.label: [] for s in b.sides}
+        f"concurrency {', '.join(map(str, opts.steady_levels))}; revisions: {', '.join(s.label for s in b.sides)}; "
+        f"payload: {', '.join(kinds)}")
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {s.label: {k: [] for k in kinds} for s in b.sides}
     for c in opts.steady_levels:
         for side in b.sides:
-            with b.using(side):
-                runs[side.label].append(_steady_level(b, c))
+            for kind in kinds:
+                with b.using(side):
+                    runs[side.label][kind].append(_steady_level(b, c, kind))
     sample = b.steady_source.backlog(500)
+    thin_sample = payloads.thin_load(json.loads(e.body) for e in sample).notifications
     return {"levels": list(opts.steady_levels), "events_per_level": opts.steady_events,
             "redelivery_share": STEADY_REDELIVERY_SHARE, "api_version": payloads.BASIL_API,
             "payload": payloads.size_stats(e.body for e in sample),
+            "payloads": list(kinds), "thin_snapshot_twin": opts.thin_snapshot_twin, "thin_payload": payloads.size_stats(payloads.body(n) for n in thin_sample),
             "receiver_server": opts.receiver_server, "receiver_workers": opts.receiver_workers,
             "receiver_threads": opts.receiver_threads,
             "workers": 2, "worker_concurrency": 2,
             "loadgen": "wrk 4 (1 thread, pre-signed requests replayed by a Lua script)",
-            "revisions": [{"label": s.label, "commit": s.revision.commit, "runs": runs[s.label]} for s in b.sides]}
+            "revisions": [{"label": s.label, "commit": s.revision.commit, "runs": runs[s.label][kinds[0]],
+                           "payload_runs": runs[s.label]} for s in b.sides]}
 
 
 # -- scale --------------------------------------------------------------------------------------

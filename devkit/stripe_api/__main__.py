@@ -19,9 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (the printed URL tells which)")
     parser.add_argument("--api-key", default=DEFAULT_API_KEY)
     parser.add_argument("--state", type=Path, help="JSON file: loaded at start when present, written at stop")
+    parser.add_argument("--latency-ms", type=float, default=0.0,
+                        help="every answer waits this long, as Stripe's take 100-400 ms (default 0)")
     args = parser.parse_args(argv)
 
-    fake = FakeStripe(args.api_key)
+    fake = FakeStripe(args.api_key, latency_s=args.latency_ms / 1000)
     if args.state is not None and args.state.exists():
         fake.load_state(json.loads(args.state.read_text()))
     done = threading.Event()

@@ -92,10 +92,12 @@ class FakeStripeProcess(Process):
     """``python -m devkit.stripe_api`` in a process group of its own, its output in ``log_dir``."""
 
     def __init__(self, log_dir: Path, *, port: int = 0, api_key: str = DEFAULT_API_KEY,
-                 state: Path | None = None, env: Mapping[str, str] | None = None):
+                 state: Path | None = None, env: Mapping[str, str] | None = None, latency_ms: float = 0.0):
         cmd = [sys.executable, "-m", "devkit.stripe_api", "--port", str(port), "--api-key", api_key]
         if state is not None:
             cmd += ["--state", str(state)]
+        if latency_ms:
+            cmd += ["--latency-ms", str(latency_ms)]
         self.api_key = api_key
         self.base_url: str | None = None
         super().__init__("fake-stripe", cmd, env if env is not None else os.environ,

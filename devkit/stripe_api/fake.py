@@ -62,8 +62,10 @@ class Fault:
 class FakeStripe:
     """The fake's state (per account: events, v2 events, objects), its faults, clock and request log; its server."""
 
-    def __init__(self, api_key: str = DEFAULT_API_KEY):
+    def __init__(self, api_key: str = DEFAULT_API_KEY, *, latency_s: float = 0.0):
         self.api_key = api_key
+        # Every answer waits this long (Stripe takes 100-400 ms): for benchmarks of what waits on it.
+        self.latency_s = float(latency_s)
         self._lock = threading.RLock()
         self._seq = itertools.count(1)
         self._server: Server | None = None

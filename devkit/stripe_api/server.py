@@ -93,6 +93,8 @@ class Handler(BaseHTTPRequestHandler):
             slow = fake._take_fault("slow", split.path)
             if slow is not None:
                 fake._stopping.wait(slow.seconds)
+            elif fake.latency_s:
+                fake._stopping.wait(fake.latency_s)  # as long as Stripe takes to answer
             failure = fake._take_fault("fail", split.path)
             if failure is not None:
                 raise fault_error(failure)

@@ -240,7 +240,7 @@ def test_a_batch_fetches_its_thin_members_first_and_a_failed_fetch_fails_only_it
     history = history_with_current_state(fake_stripe)
     customer, subscription = history.events[0], history.events[1]
     missing = SubscriptionHistory(start=NOW - 3600).lifecycle().events[1]  # its object is not at the fake
-    ids = [kit.record(customer), kit.record(thin_of(subscription)), kit.record(thin_of(missing))]
+    ids = [kit.record(customer), kit.record(thin_of(subscription, fake=fake_stripe)), kit.record(thin_of(missing))]
     outcomes = processor(kit, settings, fake_stripe).process_batch(ids)
     assert outcomes == [Outcome.PROCESSED, Outcome.PROCESSED, Outcome.FAILED_PERMANENT]
     assert kit.status(ids[2]) == "failed_permanent"
@@ -378,3 +378,33 @@ def test_ledgerctl_shows_the_rows_a_thin_notification_wrote_under_its_snapshot_t
     assert {(r["table_name"], r["row_id"].split()[0]) for r in shown["domain_rows"]} == {
         ("billing.subscriptions", history.subscription_id),
         ("billing.subscription_transitions", history.subscription_id)}
+
+
+class OverlapFake(TimedFake):
+    """Answers each request after a pause, as Stripe's 100-400 ms, noting how many were answered at once."""
+
+    def reset(self) -> None:
+        super().reset()
+        self.in_flight = self.most_in_flight = 0
+
+    def _answer(self, path, params, account):
+        with self._lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            time.sleep(0.2)
+            return super()._answer(path, params, account)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_a_batch_fetches_its_thin_notifications_up_to_the_configured_number_at_once(kit, settings, concurrency):
+    with OverlapFake.serving(API_KEY) as fake:
+        history = history_with_current_state(fake)
+        ids = [kit.record(thin_of(evt, fake=fake)) for evt in history.events[:6]]
+        proc = processor(kit, dataclasses.replace(settings, stripe_fetch_concurrency=concurrency), fake)
+        assert proc.process_batch(ids) == [Outcome.PROCESSED] * 6
+        assert fake.most_in_flight == concurrency
+        assert len(fake.requests) == 12

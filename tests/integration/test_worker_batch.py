@@ -121,6 +121,20 @@ def txids(kit) -> dict[str, str]:
     return {r["event_id"]: r["txid"] for r in kit.query("SELECT event_id, txid FROM public.batch_txids")}
 
 
+def batches_at_once(kit, batches: dict[str, list[str]]) -> dict[str, list]:
+    """Each batch of ids processed by a processor of its own, all in threads at once: the outcomes by name."""
+    processors = {name: make_processor(kit, name=f"worker-{name}") for name in batches}
+    outcomes: dict = {}
+    threads = [threading.Thread(target=lambda n=name: outcomes.setdefault(n, processors[n].process_batch(batches[n])))
+               for name in batches]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert set(outcomes) == set(batches), "a batch did not finish"
+    return outcomes
+
+
 def expire_and_take_over(kit, event_id: str):
     """The lease on ``event_id`` runs out and worker B claims it."""
     kit.execute("UPDATE ledger.events SET lease_expires_at = now() - interval '1 second' WHERE id = %s",
@@ -358,15 +372,7 @@ def test_two_batches_locking_in_opposite_orders_lose_one_member_to_the_deadlock_
                                       created=now) for n, lock_id in ((1, first), (2, second))])
 
     batches = {"a": lockers("a", 1, 2), "b": lockers("b", 2, 1)}
-    processors = {name: make_processor(kit, name=f"worker-{name}") for name in batches}
-    outcomes: dict = {}
-    threads = [threading.Thread(target=lambda n=name: outcomes.setdefault(n, processors[n].process_batch(batches[n])))
-               for name in batches]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert set(outcomes) == {"a", "b"}, "a batch did not finish"
+    outcomes = batches_at_once(kit, batches)
 
     everything = sorted(o.value for o in (*outcomes["a"], *outcomes["b"]))
     assert everything == ["failed_recoverable", "processed", "processed", "processed"], outcomes
@@ -498,3 +504,54 @@ def test_a_batch_costs_one_claim_and_one_commit_and_one_wait_per_event(batch_kit
     assert len(autocommitted) == 1  # the claim
     assert sent.count("COMMIT") == 1
     assert len(waits) == 20  # one per member (the COMMIT's is the pipeline's exit)
+
+
+def test_a_member_the_server_refused_after_statements_were_prepared_leaves_its_later_mates_working(batch_kit):
+    """Past psycopg's prepare threshold (5 runs of a statement on a connection) the batch's statements are
+    server-side prepared; a member's rollback to its savepoint must not leave the ones after it with
+    statements the server no longer has."""
+    kit = batch_kit
+    before = record(kit, "batch.txid", 8)
+    [failing] = record(kit, "test.bad_row")
+    after = kit.record_many([event("batch.txid", {"id": f"obj_after_{i}"}, created=int(time.time()))
+                             for i in range(8)])
+
+    outcomes = make_processor(kit).process_batch([*before, failing, *after])
+
+    assert outcomes == [Outcome.PROCESSED] * 8 + [Outcome.FAILED_PERMANENT] + [Outcome.PROCESSED] * 8, [
+        (kit.event(i)["failure_reason"], kit.event(i)["last_error"]) for i in after if kit.status(i) != "processed"]
+
+
+def test_a_deadlock_victim_leaves_its_later_batch_mates_working_once_statements_are_prepared(batch_kit):
+    """The deadlock test above with mates before the lockers (so that the batch's statements are past
+    psycopg's prepare threshold when the deadlock comes) and after them: only the victim fails."""
+    kit = batch_kit
+    kit.execute("INSERT INTO public.test_locks (id) VALUES (1), (2)")
+    now = int(time.time())
+
+    def batch(name, first, second):
+        mates = lambda where: [event("batch.txid", {"id": f"obj_{name}_{where}_{n}"}, created=now) for n in range(6)]
+        lockers = [event("batch.lock", {"id": f"obj_{name}_{n}", "lock_id": lock_id, "sleep_s": 0.5}, created=now)
+                   for n, lock_id in ((1, first), (2, second))]
+        return kit.record_many([*mates("before"), *lockers, *mates("after")])
+
+    batches = {"a": batch("a", 1, 2), "b": batch("b", 2, 1)}
+    outcomes = batches_at_once(kit, batches)
+    failed = {evt_id: (kit.event(evt_id)["failure_reason"], kit.event(evt_id)["last_error"])
+              for name in batches for evt_id, o in zip(batches[name], outcomes[name]) if o is not Outcome.PROCESSED}
+    assert [reason for reason, _ in failed.values()] == ["db_conflict"], failed
+
+
+def test_a_batch_runs_without_server_side_prepared_statements_and_gives_its_connection_back_as_it_was(batch_kit):
+    """After one member's deadlock, psycopg's prepared statements in a pipelined batch disagreed with the
+    server's and every later member failed InvalidSqlStatementName (ops/bench steady, docs/benchmarks.md);
+    the test above does not reproduce that race on this machine, so this one holds the setting in place."""
+    kit = batch_kit
+    seen = []
+    processor = make_processor(kit)
+    processor.registry.register("batch.threshold", lambda ctx: seen.append(ctx.conn.prepare_threshold))
+    ids = record(kit, "batch.threshold", 2)
+    assert processor.process_batch(ids) == [Outcome.PROCESSED] * 2
+    assert seen == [None, None]
+    with processor.ledger._pool.get().connection() as conn:
+        assert conn.prepare_threshold == 5  # psycopg's default, for everything else on the connection

@@ -66,6 +66,8 @@ BAD = {
     "STRIPE_FETCH_TIMEOUT_S zero": ("STRIPE_FETCH_TIMEOUT_S", "0"),
     "STRIPE_FETCH_TIMEOUT_S below 0.1 s": ("STRIPE_FETCH_TIMEOUT_S", "0.05"),
     "STRIPE_FETCH_TIMEOUT_S not a finite number": ("STRIPE_FETCH_TIMEOUT_S", "nan"),
+    "STRIPE_FETCH_CONCURRENCY zero": ("STRIPE_FETCH_CONCURRENCY", "0"),
+    "STRIPE_FETCH_CONCURRENCY not an integer": ("STRIPE_FETCH_CONCURRENCY", "eight"),
     "LEDGER_RETRY_CAP_S infinite": ("LEDGER_RETRY_CAP_S", "inf"),
 }
 
@@ -91,15 +93,17 @@ def test_without_thin_variables_there_is_no_thin_endpoint_and_a_fetch_waits_ten_
 
     assert settings.thin_webhook_secrets == ()
     assert settings.stripe_fetch_timeout_s == 10.0
+    assert settings.stripe_fetch_concurrency == 8
 
 
 def test_from_env_reads_each_thin_destinations_secret_and_the_fetch_timeout():
     settings = Settings.from_env({**GOOD, "STRIPE_THIN_WEBHOOK_SECRET": " whsec_thin_one_0123, whsec_thin_two_4567,",
-                                  "STRIPE_FETCH_TIMEOUT_S": "2.5"})
+                                  "STRIPE_FETCH_TIMEOUT_S": "2.5", "STRIPE_FETCH_CONCURRENCY": "3"})
 
     assert settings.thin_webhook_secrets == ("whsec_thin_one_0123", "whsec_thin_two_4567")
     assert settings.webhook_secrets == (GOOD["STRIPE_WEBHOOK_SECRET"],)  # each endpoint its own list
     assert settings.stripe_fetch_timeout_s == 2.5
+    assert settings.stripe_fetch_concurrency == 3
 
 
 def test_a_malformed_thin_secret_is_named_by_its_variable_and_entry_and_never_echoed():
