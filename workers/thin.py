@@ -128,10 +128,6 @@ class ThinFetcher:
             event["fetched"] = self._impacted_object(event, claim.account)
         return Applied(claim.type, event)
 
-    def close(self) -> None:
-        if self._api is not None:
-            self._api.close()
-
     def _related_object(self, claim: Claim, notification: dict[str, Any]) -> Applied:
         related = notification["related_object"]  # its shape was checked by the receiver
         snapshot_type = handler_type(claim.type)
