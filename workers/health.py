@@ -36,8 +36,8 @@ def apply_generation_failure(ctx: ApplyContext) -> None:
     fetched = ctx.event.get("fetched") or {}
     obj = fetched.get("object")
     if obj is not None:
-        apply_object(ctx.conn, obj, fetched_at=datetime.fromisoformat(fetched["fetched_at"]),
-                     account=fetched.get("account"), livemode=ctx.livemode)
+        apply_object(ctx.conn, obj, fetched_at=fetched["fetched_at"], account=fetched.get("account"),
+                     livemode=ctx.livemode)
     alert = {"event_id": ctx.event_id, "alert_id": _text(data.get("alert_id")),
              "failed_event_type": _text(impact.get("event_type")), "related_object_type": _text(related.get("type")),
              "related_object_id": _text(related.get("id") or impact.get("related_object_id")),

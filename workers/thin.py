@@ -46,6 +46,7 @@ from workers.failures import PermanentError
 from workers.stripe_api import COLLECTIONS, PermanentApiError, RetryRule, StripeApi
 
 HEALTH_GENERATION_FAILURE = "v2.core.health.event_generation_failure.resolved"
+V2_EVENTS = "/v2/core/events"
 V1_PREFIX = "v1."
 
 # object type -> the API path it is retrieved under (a health alert names the type and id only;
@@ -98,10 +99,10 @@ def applied(claim: Claim) -> Applied:
     return Applied(claim.type, claim.payload)
 
 
-def object_path(object_type: str, object_id: str) -> str | None:
-    """The API path of one object, None for a type this worker cannot retrieve."""
-    path = _PATHS.get(object_type)
-    return f"{path}/{object_id}" if path else None
+def collection_path(object_type: str) -> str | None:
+    """The API path objects of this type are retrieved under (``/v1/subscriptions``), None for a type this
+    worker cannot retrieve."""
+    return _PATHS.get(object_type)
 
 
 class ThinFetcher:
@@ -122,7 +123,7 @@ class ThinFetcher:
             raise KeyOfAnotherMode(claim.livemode)
         if claim.type.startswith(V1_PREFIX):
             return self._related_object(claim, notification)
-        v2_event, _ = self._get(f"/v2/core/events/{claim.event_id}", claim.account)
+        v2_event, _ = self._get(f"{V2_EVENTS}/{claim.event_id}", claim.account)
         event = {**v2_event, "id": claim.event_id, "type": claim.type}
         if claim.type == HEALTH_GENERATION_FAILURE:
             event["fetched"] = self._impacted_object(event, claim.account)
@@ -151,29 +152,22 @@ class ThinFetcher:
     def _snapshot_twin(self, claim: Claim) -> str | None:
         """The snapshot event of the same change (the v2 event's ``snapshot_event``). None when Stripe
         names none, or no longer has the v2 event (it keeps them 30 days: a late replay)."""
-        try:
-            v2_event, _ = self._get(f"/v2/core/events/{claim.event_id}", claim.account)
-        except PermanentApiError as exc:
-            if exc.status == 404:
-                return None
-            raise
-        twin = v2_event.get("snapshot_event")
+        v2_event, _ = self._api_client().retrieve(V2_EVENTS, claim.event_id, context=claim.account)
+        twin = (v2_event or {}).get("snapshot_event")
         return twin if isinstance(twin, str) and twin.startswith("evt_") and twin != claim.event_id else None
 
     def _impacted_object(self, event: dict[str, Any], context: str | None) -> dict[str, Any]:
-        """What data.impact names, fetched now: {"outcome", "object", "fetched_at", "account", "path"}."""
+        """What data.impact names, fetched now: {"outcome", "object", "fetched_at", "account"}."""
         impact = (event.get("data") or {}).get("impact") or {}
         related = impact.get("related_object") or {}
         object_type = related.get("type")
         object_id = related.get("id") or impact.get("related_object_id")
         account = impact.get("context") or context
-        path = object_path(object_type, object_id) if isinstance(object_type, str) and isinstance(object_id, str) \
-            else None
-        fetched: dict[str, Any] = {"account": account, "path": path, "object": None, "fetched_at": None}
+        path = collection_path(object_type) if isinstance(object_type, str) and isinstance(object_id, str) else None
         if path is None:
-            return {**fetched, "outcome": "unsupported_object_type"}
-        obj, fetched_at = self._api_client().retrieve(path.rsplit("/", 1)[0], object_id, context=account)
-        return {**fetched, "object": obj, "fetched_at": _iso(fetched_at),
+            return {"account": account, "object": None, "fetched_at": None, "outcome": "unsupported_object_type"}
+        obj, fetched_at = self._api_client().retrieve(path, object_id, context=account)
+        return {"account": account, "object": obj, "fetched_at": fetched_at,
                 "outcome": "applied" if obj is not None else "object_not_found"}
 
     def _get(self, path: str, context: str | None) -> tuple[dict[str, Any], datetime]:
@@ -187,7 +181,3 @@ class ThinFetcher:
                 self._api = StripeApi(self._settings, rule=RetryRule(
                     attempts=1, timeout_s=self._settings.stripe_fetch_timeout_s))
             return self._api
-
-
-def _iso(when: datetime) -> str:
-    return when.isoformat()

@@ -90,7 +90,7 @@ def test_object_path_is_the_api_path_that_retrieves_each_bare_object():
     }
     assert {path: object_path(obj) for path, obj in cases.items()} == {path: path for path in cases}
     # The worker's own map (what a health alert's object is fetched from) agrees with the fake's.
-    assert {path: thin.object_path(obj["object"], obj["id"]) for path, obj in cases.items()} == {
+    assert {path: f"{thin.collection_path(obj['object'])}/{obj['id']}" for path, obj in cases.items()} == {
         path: path for path in cases}
     assert related_object(sub) == {"id": sub["id"], "type": "subscription", "url": f"/v1/subscriptions/{sub['id']}"}
 
