@@ -15,17 +15,7 @@ from devkit.factories import body_of, event, sign
 from devkit.procs import wait_until
 from tests.support.constants import WEBHOOK_SECRET
 from tests.support.receiver import receiver_env
-
-
-def json_lines(text: str) -> list[dict]:
-    lines = []
-    for line in text.splitlines():
-        if line.startswith("{"):
-            try:
-                lines.append(json.loads(line))
-            except ValueError:
-                pass
-    return lines
+from tests.support.workers import json_lines
 
 
 def test_receiver_and_worker_logs_name_each_attempt_and_never_contain_the_payload(

@@ -10,7 +10,6 @@ Every test first POSTs with the receiver alone running, its environment holding 
 from __future__ import annotations
 
 import collections
-import json
 import random
 import time
 import urllib.error
@@ -24,6 +23,7 @@ from devkit.procs import free_port, wait_until
 from tests.support.constants import WEBHOOK_SECRET
 from tests.support.receiver import receiver_env
 from tests.support.stripe_api import env_of, fake_stripe  # noqa: F401
+from tests.support.workers import json_lines
 
 THIN_SECRET = "whsec_test_thin_0123456789"
 BUILT_IN_ONLY: tuple[str, ...] = ()
@@ -121,19 +121,6 @@ def history_with_current_state(fake, start: int) -> SubscriptionHistory:
     for evt in history.events:
         fake.put_object(evt["data"]["object"])
     return history
-
-
-# -- a worker's own output --------------------------------------------------------------------
-
-def json_records(worker) -> list[dict]:
-    records = []
-    for line in worker.log().splitlines():
-        if line.startswith("{"):
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                pass
-    return records
 
 
 def scrape(port: int) -> dict[tuple[str, frozenset], float] | None:
@@ -264,7 +251,7 @@ def test_a_health_event_repairs_the_object_whose_event_stripe_never_sent_and_is_
          "related_object_id": subscription["id"], "repair": "applied"}]
     assert [r.path for r in fake_stripe.requests] == [f"/v2/core/events/{note['id']}",
                                                       f"/v1/subscriptions/{subscription['id']}"]
-    lines = wait_until(lambda: [r for r in json_records(worker) if r.get("message", "").startswith(HEALTH_LINE)],
+    lines = wait_until(lambda: [r for r in json_lines(worker.log()) if r.get("message", "").startswith(HEALTH_LINE)],
                        timeout_s=10, what="the health alert's log line")
     assert len(lines) == 1 and lines[0]["related_object_id"] == subscription["id"], lines
     assert lines[0]["repair"] == "applied"

@@ -7,6 +7,7 @@ that makes a child's ``Settings.from_env()`` equal to the test's ``Settings``. T
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import threading
 import uuid
@@ -208,3 +209,15 @@ class RecordingWaker:
     @property
     def ids(self) -> list[str]:
         return [event_id for event_id, _ in self.woken]
+
+
+def json_lines(text: str) -> list[dict]:
+    """The JSON log lines of a process's output (receiver, worker, sweep), in order; other lines skipped."""
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                lines.append(json.loads(line))
+            except ValueError:
+                pass
+    return lines
