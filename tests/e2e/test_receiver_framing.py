@@ -41,7 +41,7 @@ from typing import Callable
 
 import pytest
 
-from devkit.factories import sign
+from devkit.factories import body_of, sign, thin_notification
 from devkit.stack import RECEIVER_SERVERS, SUPPORTED_RECEIVER_SERVERS, Receiver
 from ingest.webhooks import BODY_IDLE_TIMEOUT_S
 from tests.support.constants import WEBHOOK_SECRET
@@ -55,6 +55,10 @@ MAX_BODY = 8192
 WAIT_S = 5.0
 # A client that closed its side cannot read the answer: the server's log is read after this long.
 SETTLE_S = 0.5
+
+# The other endpoints' secrets: their framing is the same code's (ingest.webhooks._read_body), tried too.
+THIN_SECRET = "whsec_test_framing_thin_0123"
+CONNECT_SECRET = "whsec_test_framing_connect_0123"
 
 CLOSED = "closed without an answer"
 # Each server's options for an access log line per answered request: the status, nothing of the request.
@@ -80,7 +84,8 @@ def _servers() -> list[str]:
 @pytest.fixture(scope="module", params=_servers())
 def receiver(request, database_url, redis_url, tmp_path_factory):
     env = receiver_env(database_url, redis_url, WEBHOOK_SECRET, INGEST_MAX_BODY_BYTES=str(MAX_BODY),
-                       LEDGER_QUEUE=QUEUE)
+                       LEDGER_QUEUE=QUEUE, STRIPE_THIN_WEBHOOK_SECRET=THIN_SECRET,
+                       STRIPE_CONNECT_WEBHOOK_SECRET=CONNECT_SECRET)
     server = Receiver(env, tmp_path_factory.mktemp("framing"), server=request.param, workers=2,
                       extra_args=ACCESS_LOG_ARGS[request.param])
     try:
@@ -94,23 +99,40 @@ def receiver(request, database_url, redis_url, tmp_path_factory):
 
 @dataclass(frozen=True)
 class Signed:
-    """A correctly signed event: its id, its body, its Stripe-Signature header line."""
+    """A correctly signed event for one endpoint: its id, its body, the endpoint's path and secret (its
+    Stripe-Signature header line)."""
     event_id: str
     body: bytes
+    path: bytes = b"/webhooks/stripe"
+    secret: str = WEBHOOK_SECRET
 
     @classmethod
     def new(cls) -> "Signed":
         text = event_body()
         return cls(json.loads(text)["id"], text.encode())
 
+    @classmethod
+    def for_endpoint(cls, endpoint: str) -> "Signed":
+        """``snapshot``, ``connect`` (an event of a connected account) or ``thin`` (a thin notification,
+        the marker as its context)."""
+        if endpoint == "connect":
+            text = event_body(account="acct_framing_1")
+            return cls(json.loads(text)["id"], text.encode(), b"/webhooks/stripe/connect", CONNECT_SECRET)
+        if endpoint == "thin":
+            note = thin_notification("v1.customer.updated", related={"id": "cus_test_1", "object": "customer"},
+                                     created=time.time(), context=PAYLOAD_MARKER)
+            return cls(note["id"], body_of(note).encode(), b"/webhooks/stripe/thin", THIN_SECRET)
+        return cls.new()
+
     @property
     def signature(self) -> bytes:
-        return b"Stripe-Signature: " + sign(self.body.decode(), WEBHOOK_SECRET).encode()
+        return b"Stripe-Signature: " + sign(self.body.decode(), self.secret).encode()
 
 
-def head(evt: Signed, *lines: bytes, request_line: bytes = b"POST /webhooks/stripe HTTP/1.1",
-         signature: bool = True) -> bytes:
-    """A request head: the request line, Host, Content-Type, the signature, then ``lines``."""
+def head(evt: Signed, *lines: bytes, request_line: bytes | None = None, signature: bool = True) -> bytes:
+    """A request head: the request line (a POST to the event's endpoint by default), Host, Content-Type,
+    the signature, then ``lines``."""
+    request_line = request_line if request_line is not None else b"POST " + evt.path + b" HTTP/1.1"
     fields = [request_line, b"Host: receiver.test", b"Content-Type: application/json"]
     if signature:
         fields.append(evt.signature)
@@ -315,8 +337,23 @@ def test_malformed_http_gets_a_4xx_or_a_close_never_a_5xx_nor_a_write_and_the_re
         request, receiver, db, name):
     if name in GUNICORN_5XX and receiver.server.startswith("gunicorn"):
         request.applymarker(pytest.mark.xfail(reason=GUNICORN_5XX[name], strict=True))
+    _check_malformed(receiver, db, name, Signed.new())
+
+
+# The cases of a body the receiver itself must refuse (the others are the server's, before any endpoint).
+BODY_CASES = [name for name, case_ in CASES.items() if case_.outcome == BODY]
+
+
+@pytest.mark.parametrize("endpoint", ["connect", "thin"])
+@pytest.mark.parametrize("name", BODY_CASES)
+def test_the_connect_and_thin_endpoints_refuse_a_body_they_cannot_read_whole_as_the_snapshot_endpoint(
+        receiver, db, name, endpoint):
+    _check_malformed(receiver, db, name, Signed.for_endpoint(endpoint))
+
+
+def _check_malformed(receiver: Receiver, db: str, name: str, evt: Signed) -> None:
+    """Send CASES[name] built on ``evt`` and check what the module's docstring says every case must give."""
     case_ = CASES[name]
-    evt = Signed.new()
     log_start = len(receiver.log())
 
     started = time.monotonic()
