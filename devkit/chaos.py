@@ -1,25 +1,55 @@
 """Chaos run: the whole pipeline, real processes, while things keep breaking.
 
     python -m devkit.chaos --events 5000
+    python -m devkit.chaos --broker amqp     # the same run on RabbitMQ
 
 Creates a fresh database ``chaos_<random>`` on the shared server (``--admin-url``,
 default ``$TEST_PG_URL`` or postgresql://postgres@127.0.0.1:5432/postgres) and a
-private ``redis-server`` on a free port, and starts a real receiver (gunicorn),
-``--workers`` Celery worker processes and the recovery sweep (``ledgerctl sweep
---loop``). It then delivers ``--events`` distinct events (subscription lifecycles
+broker of the run's own (``--broker``): with ``redis`` (the default) a private
+``redis-server`` on a free port; with ``amqp`` a vhost ``chaos-<random>`` on the
+machine's RabbitMQ (127.0.0.1:5672, guest/guest, managed with ``rabbitmqctl``:
+devkit.servers.RabbitVhost), which is shared, so the run never stops it. It starts
+a real receiver (gunicorn), ``--workers`` Celery worker processes and the recovery
+sweep (``ledgerctl sweep --loop``), all with ``CELERY_BROKER_URL`` naming that
+broker. It then delivers ``--events`` distinct events (subscription lifecycles
 from devkit.factories, plus ``chaos.effect`` events whose handler inserts a row into a
 table without a unique constraint) over HTTP, signed, from several threads, in a
 shuffled order, a fraction of them more than once (some copies at the same moment),
 retrying every non-2xx answer or connection error with backoff, as Stripe does.
 
-Meanwhile, every ``--chaos-interval`` seconds, it does one of: SIGKILL a worker's
-prefork child, SIGKILL a whole worker (and start a new one), FLUSHALL the Redis,
-restart the Redis (empty), pg_terminate_backend the workers' connections
-(application_name 'worker', in the chaos database only), SIGKILL and restart the
-receiver. The workers themselves inject recoverable faults into a fraction
-(``--fault-rate``) of attempts, after the domain writes and in the same
-transaction (devkit/chaos_handlers.py: TransientError, a real lock timeout,
-a real statement timeout), chosen by a hash of the event id and attempt number.
+Meanwhile, every ``--chaos-interval`` seconds, it does one of (each kind once first,
+in a random order, then chosen by weight): SIGKILL a worker's prefork child, SIGKILL
+a whole worker (and start a new one), flush the broker, restart the broker,
+pg_terminate_backend the workers' connections (application_name 'worker', in the
+chaos database only), SIGKILL and restart the receiver. The broker's two faults:
+
+* ``flush_broker``: with Redis, FLUSHALL (the queued messages, Redis' copies of the
+  unacked ones and kombu's bindings all gone; clients stay connected). With
+  RabbitMQ, ``queue.purge`` of the stack's two queues (the event queue and its
+  effects queue: every queue of the vhost but the workers' exclusive
+  remote-control mailboxes, which only their own connection may touch): the
+  waiting messages are gone and clients stay connected. On either, the messages a
+  worker already holds stay with it and run; they differ only should that worker
+  die later: Redis' copies are gone, RabbitMQ redelivers them.
+* ``restart_broker``: with Redis, SIGKILL the server and start it again, empty, on
+  the same port after an outage of 0.2-2 s. With RabbitMQ (shared: never
+  stopped), a server restart as the vhost sees it: new connections refused
+  (``set_vhost_limits`` max-connections 0), every connection of the vhost closed
+  (``close_all_connections -p``), and connections accepted again 0.2-2 s after
+  the limit was set (at the soonest once they are all closed, and then once
+  ``clear_vhost_limits`` is through: a few seconds more on a busy machine, where
+  rabbitmqctl is slow). Like a real restart, the durable queues keep their
+  persistent messages, and the unacked ones go back to their queue to be
+  redelivered.
+
+Deleting and re-creating the vhost is neither: it also closes every connection and
+refuses reconnections until the vhost is back, a restart that comes back empty
+rather than a flush.
+
+The workers themselves inject recoverable faults into a fraction (``--fault-rate``)
+of attempts, after the domain writes and in the same transaction
+(devkit/chaos_handlers.py: TransientError, a real lock timeout, a real statement
+timeout), chosen by a hash of the event id and attempt number.
 
 When every delivery is accepted, the chaos stops and the run waits until the
 ledger is quiescent (the sweep re-drives whatever lost its wake-up). Then it
@@ -31,8 +61,8 @@ order, in-process, to a second fresh database (``chaos_<random>_ref``); and no
 attempt into which a fault was injected committed.
 
 It prints one summary line on stdout (``--json-out FILE`` also writes the result
-as JSON), exits 0 if everything held and 1 otherwise, and drops both databases
-(``--keep`` keeps them and the logs).
+as JSON; both name the broker), exits 0 if everything held and 1 otherwise, and
+drops both databases and the vhost (``--keep`` keeps the databases and the logs).
 """
 from __future__ import annotations
 
@@ -43,6 +73,7 @@ import queue
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -56,7 +87,7 @@ from pathlib import Path
 
 import psycopg
 
-from devkit.servers import PrivateRedis, with_db
+from devkit.servers import PrivateRedis, RabbitVhost, with_db
 from devkit.sql import SQL, compose
 from devkit.stack import Receiver, Sweep, Worker, stack_env
 
@@ -65,6 +96,7 @@ SECRET = "whsec_chaos_0123456789abcdef"
 QUEUE = "chaos"
 ADMIN_URL = os.environ.get("TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 UNFINISHED = ("received", "processing", "failed_recoverable")
+BROKERS = ("redis", "amqp")  # --broker: RedisBroker, RabbitBroker
 DOMAIN_FAULT_CLASSES = ("TransientError", "LockNotAvailable", "QueryCanceled")
 
 # Billing rows compared with the in-order run (devkit/sql/chaos.sql: the columns that say what a row is).
@@ -88,6 +120,7 @@ class Config:
     keep: bool = False
     logs_dir: str | None = None  # default: a new temporary directory, removed after a clean run
     verbose: bool = True
+    broker: str = "redis"  # one of BROKERS
 
 
 @dataclass
@@ -109,8 +142,10 @@ class Result:
     failed_without_reason: int = 0
     billing_mismatches: int = 0
     attempts: dict = field(default_factory=dict)
+    fault_errors: list = field(default_factory=list)  # faults that could not be injected, and why
     elapsed_s: float = 0.0
     seed: int = 0
+    broker: str = "redis"
 
     @property
     def ok(self) -> bool:
@@ -125,7 +160,7 @@ class Result:
                 f"duplicated_effects={self.duplicated_effects} missing_effects={self.missing_effects} "
                 f"faults_swallowed={self.faults_swallowed} "
                 f"stuck={self.stuck} failed={self.failed} billing_mismatches={self.billing_mismatches} "
-                f"elapsed={self.elapsed_s:.0f}s seed={self.seed} {'OK' if self.ok else 'FAILED'}")
+                f"elapsed={self.elapsed_s:.0f}s seed={self.seed} broker={self.broker} {'OK' if self.ok else 'FAILED'}")
 
 
 def log(cfg: Config, message: str) -> None:
@@ -169,22 +204,128 @@ def delivery_plan(events: list[dict], rng: random.Random, duplicate_rate: float)
     return [i for unit in units for i in unit]
 
 
+# -- brokers ------------------------------------------------------------------------------
+# The same four moves on either broker, so that the faults are broker-neutral. The broker's URL
+# stays the same across flushes and restarts: the stack's CELERY_BROKER_URL stays valid.
+
+class RedisBroker:
+    """A private redis-server on a free port (devkit.servers.PrivateRedis)."""
+
+    name = "redis"
+
+    def __init__(self, workdir: Path, tag: str):
+        self.server = PrivateRedis(workdir / "redis.log", databases=2)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def describe(self) -> str:
+        return f"redis :{self.server.port}"
+
+    def start(self) -> None:
+        self.server.start()
+
+    def flush(self) -> None:
+        """FLUSHALL."""
+        self.server.flush()
+
+    def restart(self, outage_s: float) -> None:
+        """SIGKILL, down for outage_s, then up again, empty, on the same port."""
+        self.server.kill()
+        time.sleep(outage_s)
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.kill()
+
+
+class RabbitBroker:
+    """A vhost of the run's own on the machine's RabbitMQ (devkit.servers.RabbitVhost).
+
+    The server is shared: nothing here stops it, or touches another vhost.
+    """
+
+    name = "amqp"
+
+    def __init__(self, workdir: Path, tag: str):
+        from workers.app import effects_queue
+
+        self.vhost = RabbitVhost(f"chaos-{tag}")
+        self.queues = (QUEUE, effects_queue(QUEUE))  # the stack's (LEDGER_QUEUE=QUEUE)
+
+    @property
+    def url(self) -> str:
+        return self.vhost.url
+
+    def describe(self) -> str:
+        return f"rabbitmq vhost {self.vhost.name} on {self.vhost.host}:{self.vhost.port}"
+
+    def _ctl(self, *args: str) -> str:
+        done = subprocess.run(["rabbitmqctl", "-s", *args], capture_output=True, text=True, timeout=120,
+                              stdin=subprocess.DEVNULL)
+        if done.returncode:
+            raise RuntimeError(f"rabbitmqctl {' '.join(args)}: exit {done.returncode}: "
+                               f"{(done.stderr or done.stdout).strip()[-500:]}")
+        return done.stdout
+
+    def start(self) -> None:
+        self.vhost.create()
+
+    def flush(self) -> None:
+        """The stack's queues (QUEUE and its effects queue: every queue of the vhost but the workers'
+        exclusive remote-control mailboxes, which only their own connection may touch) lose the
+        messages waiting in them; connections, consumers and the messages workers hold unacked stay
+        (see the module's docstring). Done over AMQP, without rabbitmqctl (slow on a busy machine)."""
+        import amqp
+
+        with amqp.Connection(f"{self.vhost.host}:{self.vhost.port}", userid=self.vhost.user,
+                             password=self.vhost.password, virtual_host=self.vhost.name,
+                             connect_timeout=5) as conn:
+            for queue_name in self.queues:
+                channel = conn.channel()
+                try:
+                    channel.queue_purge(queue_name)
+                except amqp.exceptions.NotFound:
+                    continue  # not declared yet (the broker closed the channel)
+                channel.close()
+
+    def restart(self, outage_s: float) -> None:
+        """A server restart as seen from the vhost: every connection closed, new ones refused for
+        outage_s (or as long as closing them takes, and then while rabbitmqctl lifts the limit: each
+        call takes a second or more, several on a busy machine), then accepted again; the queues keep
+        their messages, and the unacked ones go back to their queue."""
+        self._ctl("set_vhost_limits", "-p", self.vhost.name, json.dumps({"max-connections": 0}))
+        refused_since = time.monotonic()
+        try:
+            self._ctl("close_all_connections", "-p", self.vhost.name, "chaos: broker restart")
+            time.sleep(max(0.0, refused_since + outage_s - time.monotonic()))
+        finally:
+            self._ctl("clear_vhost_limits", "-p", self.vhost.name)
+
+    def stop(self) -> None:
+        self.vhost.drop()
+
+
+BROKER_CLASSES = {cls.name: cls for cls in (RedisBroker, RabbitBroker)}
+
+
 # -- processes ----------------------------------------------------------------------------
 
 class Stack:
-    """The run's private Redis, receiver, workers and sweep (devkit.servers / devkit.stack).
+    """The run's broker, receiver, workers and sweep (devkit.servers / devkit.stack).
 
-    Redis and the receiver keep their ports across restarts: the workers' broker URL and
-    the senders' target stay valid.
+    The broker and the receiver keep their URL and port across restarts: the workers'
+    broker URL and the senders' target stay valid.
     """
 
-    def __init__(self, cfg: Config, database_url: str, workdir: Path):
+    def __init__(self, cfg: Config, database_url: str, workdir: Path, tag: str):
         self.cfg = cfg
         self.database_url = database_url
         self.workdir = workdir
-        self.redis = PrivateRedis(workdir / "redis.log", databases=2)
+        self.broker = BROKER_CLASSES[cfg.broker](workdir, tag)
         # The variables the pipeline reads are ours alone.
-        self.env = stack_env(database_url, self.redis.url, {
+        self.env = stack_env(database_url, self.broker.url, {
             "STRIPE_WEBHOOK_SECRET": SECRET, "LEDGER_QUEUE": QUEUE, "LEDGER_HANDLER_MODULES": HANDLERS,
             "LEDGER_LEASE_S": "6", "LEDGER_MAX_ATTEMPTS": "30", "LEDGER_RETRY_BASE_S": "0.1",
             "LEDGER_RETRY_CAP_S": "2", "LEDGER_SWEEP_OVERDUE_S": "2", "LEDGER_SWEEP_INTERVAL_S": "1",
@@ -198,11 +339,6 @@ class Stack:
     @property
     def receiver_port(self) -> int:
         return self.receiver.port
-
-    def restart_redis(self, outage_s: float) -> None:
-        self.redis.kill()
-        time.sleep(outage_s)
-        self.redis.start()
 
     def restart_receiver(self) -> None:
         self.receiver.kill()
@@ -230,9 +366,13 @@ class Stack:
         self.sweep = Sweep(self.env, self.workdir).start()
 
     def close(self) -> None:
-        for proc in [*self.workers, self.sweep, self.receiver, self.redis]:
+        for proc in [*self.workers, self.sweep, self.receiver]:
             if proc is not None:
                 proc.kill()
+        try:
+            self.broker.stop()
+        except Exception as exc:  # reported; the run still drops its databases
+            log(self.cfg, f"could not stop the broker ({self.broker.describe()}): {exc}")
 
 
 # -- delivering -----------------------------------------------------------------------------
@@ -284,7 +424,7 @@ class Sender:
 # -- faults ---------------------------------------------------------------------------------
 
 class Chaos(threading.Thread):
-    ACTIONS = (("kill_worker_child", 4), ("kill_worker", 2), ("flush_redis", 1), ("restart_redis", 1),
+    ACTIONS = (("kill_worker_child", 4), ("kill_worker", 2), ("flush_broker", 1), ("restart_broker", 1),
                ("terminate_pg_backends", 3), ("restart_receiver", 1))
 
     def __init__(self, cfg: Config, stack: Stack, rng: random.Random):
@@ -297,8 +437,10 @@ class Chaos(threading.Thread):
     def run(self) -> None:
         names = [a for a, _ in self.ACTIONS]
         weights = [w for _, w in self.ACTIONS]
+        # Every kind once first, in a random order (so that every run has each), then by weight.
+        first = self.rng.sample(names, len(names))
         while not self.stop.wait(self.rng.uniform(*self.cfg.chaos_interval)):
-            action = self.rng.choices(names, weights)[0]
+            action = first.pop() if first else self.rng.choices(names, weights)[0]
             try:
                 if getattr(self, action)():
                     self.counts[action] += 1
@@ -325,12 +467,12 @@ class Chaos(threading.Thread):
         self.stack.top_up_workers()
         return True
 
-    def flush_redis(self) -> bool:
-        self.stack.redis.flush()
+    def flush_broker(self) -> bool:
+        self.stack.broker.flush()
         return True
 
-    def restart_redis(self) -> bool:
-        self.stack.restart_redis(outage_s=self.rng.uniform(0.2, 2.0))
+    def restart_broker(self) -> bool:
+        self.stack.broker.restart(outage_s=self.rng.uniform(0.2, 2.0))
         return True
 
     def terminate_pg_backends(self) -> bool:
@@ -475,7 +617,7 @@ def run(cfg: Config) -> tuple[Result, list[str]]:
     started = time.monotonic()
     seed = cfg.seed if cfg.seed is not None else random.randrange(2 ** 32)
     rng = random.Random(seed)
-    result = Result(events=cfg.events, seed=seed)
+    result = Result(events=cfg.events, seed=seed, broker=cfg.broker)
     tag = uuid.uuid4().hex[:10]
     name, ref_name = f"chaos_{tag}", f"chaos_{tag}_ref"
     if cfg.logs_dir:
@@ -503,15 +645,15 @@ def run(cfg: Config) -> tuple[Result, list[str]]:
         plan = delivery_plan(events, rng, cfg.duplicate_rate)
         bodies = [body_of(e) for e in events]
 
-        stack = Stack(cfg, url, workdir)
-        stack.redis.start()
+        stack = Stack(cfg, url, workdir, tag)
+        stack.broker.start()
         stack.receiver.start()
         for _ in range(cfg.workers):
             stack.start_worker()
         for worker in list(stack.workers):
             worker.wait_ready(timeout_s=120)
         stack.start_sweep()
-        log(cfg, f"stack up: redis :{stack.redis.port}, receiver :{stack.receiver.port}, "
+        log(cfg, f"stack up: {stack.broker.describe()}, receiver :{stack.receiver.port}, "
                  f"{cfg.workers} workers x {cfg.concurrency}; delivering {len(plan)} deliveries of {len(events)} events")
 
         chaos = Chaos(cfg, stack, random.Random(rng.random()))
@@ -576,6 +718,7 @@ def run(cfg: Config) -> tuple[Result, list[str]]:
         result.http_attempts = sender.http_attempts
         result.non_2xx = dict(sender.non_2xx)
         result.faults = dict(chaos.counts)
+        result.fault_errors = list(chaos.errors)
         if sender.undelivered:
             problems.append(f"never accepted by the receiver: {sender.undelivered[:10]}")
         if chaos.errors:
@@ -610,6 +753,9 @@ def run(cfg: Config) -> tuple[Result, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m devkit.chaos", description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=300, help="distinct events to deliver (default 300)")
+    parser.add_argument("--broker", choices=BROKERS, default="redis",
+                        help="redis: a private redis-server (default); amqp: a vhost of the run's own on the "
+                             "RabbitMQ at 127.0.0.1:5672 (guest/guest, rabbitmqctl on PATH)")
     parser.add_argument("--duplicates", type=float, default=0.3, help="fraction of events delivered more than once")
     parser.add_argument("--fault-rate", type=float, default=0.15, help="fraction of attempts failed on purpose")
     parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
@@ -630,11 +776,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.events < 1 or args.workers < 1:
         parser.error("--events and --workers must be at least 1")
+    if args.broker == "amqp" and not RabbitVhost.available():
+        parser.error("--broker amqp: no RabbitMQ answers on 127.0.0.1:5672, or rabbitmqctl cannot manage it")
     cfg = Config(events=args.events, duplicate_rate=args.duplicates, fault_rate=args.fault_rate,
                  workers=args.workers, concurrency=args.concurrency, senders=args.senders,
                  chaos_interval=tuple(args.chaos_interval), min_chaos_s=args.min_chaos_s,
                  quiesce_timeout_s=args.quiesce_timeout_s, admin_url=args.admin_url, seed=args.seed,
-                 keep=args.keep, logs_dir=args.logs_dir, verbose=not args.quiet)
+                 keep=args.keep, logs_dir=args.logs_dir, verbose=not args.quiet, broker=args.broker)
     def stop(signum, _frame):  # so that `finally` stops every process we started and drops the databases
         raise SystemExit(128 + signum)
     signal.signal(signal.SIGTERM, stop)

@@ -13,7 +13,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import psycopg
 from psycopg_pool import PoolTimeout
@@ -154,68 +154,32 @@ class WorkerLedger:
     def __init__(self, pool: ProcessPool):
         self._pool = pool
 
-    def claim(self, event_id: str, *, worker: str, lease_s: int) -> Claim | None:
-        """Compare-and-set the event to processing; None when another worker has it or it is done."""
+    def claim(self, event_ids: Sequence[str], *, worker: str, lease_s: int) -> list[Claim]:
+        """One compare-and-set for the events of one attempt (one lease owner for all): the claims,
+        in the order of ``event_ids``; an id another worker has, that is done, not due, or locked
+        right now (see event_claim) has none."""
         lease_owner = uuid.uuid4().hex
-        rows = run_statement(self._pool, SQL.event_claim,
-                             {"id": event_id, "worker": worker, "lease_owner": lease_owner, "lease_s": lease_s})
-        return _claim(rows[0], lease_owner) if rows else None
-
-    def claim_batch(self, event_ids: Sequence[str], *, worker: str, lease_s: int) -> list[Claim]:
-        """One compare-and-set for several events (one lease owner for all): the claims, in the
-        order of ``event_ids``; an id another worker has, that is done, not due, or locked right
-        now (see event_claim_batch) has none."""
-        lease_owner = uuid.uuid4().hex
-        rows = run_statement(self._pool, SQL.event_claim_batch, {"ids": list(event_ids), "worker": worker,
+        rows = run_statement(self._pool, SQL.event_claim, {"ids": list(event_ids), "worker": worker,
                                                                   "lease_owner": lease_owner, "lease_s": lease_s})
         claims = {row["id"]: _claim(row, lease_owner) for row in rows}
         return [claims[event_id] for event_id in dict.fromkeys(event_ids) if event_id in claims]
 
     @contextmanager
-    def applying(self, claim: Claim) -> Iterator[psycopg.Connection]:
-        """One transaction: fence, the caller's business writes, mark processed, COMMIT.
+    def applying(self) -> Iterator["ApplyTransaction"]:
+        """One transaction for the claims of an attempt (one, or a batch): each applied in a
+        savepoint of its own (``ApplyTransaction.member``: fence, the caller's business writes,
+        finish), one COMMIT for all of them when the body returns.
 
-        Pipelined: each statement goes out as it is issued and the worker waits
-        only where a handler reads a result, and once for COMMIT. A subscription
-        event costs two round trips here instead of one per statement. Nothing is
-        read back before COMMIT, so the fence and the finish raise LL001 when the
-        lease is not ours, which aborts the transaction before COMMIT runs; that
-        becomes LeaseLost. Any exception from the body rolls everything back.
-        A handler that needs to catch one statement's error wraps it in
-        ``conn.transaction()``: a savepoint, which waits for its statements.
-        """
-        keys = {"id": claim.event_id, "lease_owner": claim.lease_owner, "attempt": claim.attempt}
-        with self._pool.get().connection() as conn:
-            try:
-                with conn.pipeline():
-                    # Explicit BEGIN on the autocommit connection: a sync inside the
-                    # body (a savepoint, a read) must not commit part of the work.
-                    conn.execute("BEGIN")
-                    conn.execute(SQL.event_lock_if_lease_held, keys)
-                    yield conn
-                    conn.execute(SQL.event_finish_if_lease_held, keys)
-                    conn.execute("COMMIT")
-                    # Leaving the pipeline is the one wait: every answer, or the first error.
-            except BaseException as exc:
-                _rollback_quietly(conn)
-                if isinstance(exc, psycopg.Error) and exc.sqlstate == LEASE_NOT_HELD:
-                    raise LeaseLost() from None
-                raise
-
-    @contextmanager
-    def applying_batch(self) -> Iterator["BatchApply"]:
-        """One transaction for several claims: each applied in a savepoint of its own
-        (``BatchApply.member``), one COMMIT for all of them when the body returns.
-
-        Pipelined like ``applying``. An exception out of the body (a member's error is
-        raised inside it, so only what the caller lets through) rolls the whole batch back;
-        so does a failed COMMIT, whose error is raised.
+        Pipelined: each statement goes out as it is issued, and the worker waits only where
+        a handler reads a result, once per member, and once for COMMIT. An exception out of
+        the body (a member's error is raised inside it, so only what the caller lets through)
+        rolls the whole transaction back; so does a failed COMMIT, whose error is raised.
         """
         with self._pool.get().connection() as conn, _unprepared(conn):
             try:
                 with conn.pipeline() as pipeline:
                     conn.execute("BEGIN")
-                    yield BatchApply(conn, pipeline)
+                    yield ApplyTransaction(conn, pipeline)
                     conn.execute("COMMIT")
             except BaseException:
                 _rollback_quietly(conn)
@@ -252,19 +216,20 @@ def _claim(row: dict[str, Any], lease_owner: str) -> Claim:
                  rescued=row["rescued"])
 
 
-class BatchApply:
-    """The open transaction of a batch (``WorkerLedger.applying_batch``): one member at a time.
+class ApplyTransaction:
+    """The open apply transaction (``WorkerLedger.applying``): its object locks, then one member at a time.
 
-    Each member is what ``applying`` is for one event, inside a savepoint: the fence,
-    the caller's business writes, the finish. It waits once, at its end, for every
+    Each member is one claimed event, inside a savepoint: the fence, the caller's
+    business writes, the finish. It waits once, at its end, for every
     answer of its statements, so whatever refused or failed is known to be this
     member's before the next one starts, and only its savepoint is rolled back: the
     members before it stay in the batch, the ones after it start from a clean
     transaction. Locks a member took are held to the batch's COMMIT (so no one
     re-claims a finished member before it commits); a member rolled back gives them up.
-    Two batches that take the same business locks in opposite orders deadlock: Postgres
-    breaks it by failing one member's statement, and that member alone fails
-    (recoverably, db_conflict) while both batches carry on.
+    The business objects the members write are locked first (``try_lock`` or ``lock``,
+    ledger/sql/objects.sql), so that two transactions never take them in opposite
+    orders; a handler that writes a row no object key covers is left to Postgres'
+    deadlock detection, which fails that member alone (recoverably, db_conflict).
     """
 
     _SAVEPOINT = "batch_member"
@@ -274,6 +239,15 @@ class BatchApply:
         self._pipeline = pipeline
         # A member that committed may have left SET LOCAL settings behind; the next starts without them.
         self._settings_changed = False
+
+    def try_lock(self, keys: Iterable[str]) -> set[str]:
+        """The object keys this transaction could lock without waiting (object_try_lock)."""
+        rows = self._conn.execute(SQL.object_try_lock, {"keys": sorted(set(keys))}).fetchall()
+        return {row[0] for row in rows}
+
+    def lock(self, keys: Iterable[str]) -> None:
+        """Every object key, waiting for each in the one global order (object_lock)."""
+        self._conn.execute(SQL.object_lock, {"keys": sorted(set(keys))}).fetchall()
 
     @contextmanager
     def member(self, claim: Claim) -> Iterator[psycopg.Connection]:

@@ -8,12 +8,12 @@
           └─▶ done
     the lease taken over, at any step ──▶ lease lost (nothing of ours committed)
 
-``LeasedWork`` runs that path and holds the rules both sides follow; a subclass
-supplies what is its own (the hooks at the end: the work itself, the ledger it
-records in, its wake-ups, metrics and logs). An attempt is its work between two
-halves, ``_refused`` before it and ``_conclude`` after it: a side that does the
-work of several claims together (a batch of events, EventProcessor.process_batch)
-runs the same two halves around it, for each claim on its own.
+``LeasedWork`` holds the rules both sides follow; a subclass supplies what is its
+own (the hooks at the end: the ledger it records in, its wake-ups, metrics and
+logs). An attempt is its work between two halves, ``_refused`` before it and
+``_conclude`` after it, which each side runs around its own work: an effect's
+delivery (OutboxDispatcher.dispatch), or the apply transactions of the events a
+worker claimed together (EventProcessor.process_batch), for each claim on its own.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ AnyClaim = Claim | EffectClaim
 
 
 class LeasedWork(ABC):
-    """Runs attempts (``_attempt``, once a claim is ours) by the rules above; see the hooks below."""
+    """The two halves of an attempt, once a claim is ours, by the rules above; see the hooks below."""
 
     policy: RetryPolicy
     waker: Waker | None
@@ -55,15 +55,6 @@ class LeasedWork(ABC):
     outcome: ClassVar[type[StrEnum]]
     # last_error of an attempt refused because every earlier one ended with its worker gone.
     abandoned: ClassVar[str]
-
-    def _attempt(self, claim: AnyClaim, fields: dict) -> StrEnum:
-        """``fields``: what every log line of this attempt carries."""
-        try:
-            # The first of: refused, retries exhausted, how the work failed (None: it finished).
-            result: Failure | LeaseLost | None = self._refused(claim) or self._work(claim)
-        except LeaseLost as lost:
-            result = lost
-        return self._conclude(claim, result, fields)
 
     def _refused(self, claim: AnyClaim) -> Failure | None:
         """Why the attempt fails before any work: refused (``_refusal``), or retries exhausted."""
@@ -120,11 +111,6 @@ class LeasedWork(ABC):
     def _refusal(self, claim: AnyClaim) -> Failure | None:
         """Why no attempt can succeed, known from the claim alone (no handler, no sender). Checked
         before retries exhausted: it is the reason an operator can act on."""
-
-    @abstractmethod
-    def _work(self, claim: AnyClaim) -> Failure | None:
-        """Do the work and finish it under the lease; its failure, classified where it was caught.
-        Raises LeaseLost when the finish finds the lease taken over."""
 
     @abstractmethod
     def _record_failure(self, claim: AnyClaim, record: FailureRecord) -> None:

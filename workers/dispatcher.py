@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from enum import StrEnum
 
+from ledger.errors import LeaseLost
 from ledger.outbox import EffectClaim, OutboxLedger
 from ledger.states import OutboxStatus
 from ledger.store import FailureRecord
@@ -46,15 +47,23 @@ class OutboxDispatcher(LeasedWork):
         claim = self.ledger.claim(outbox_id, lease_s=self.lease_s)
         if claim is None:
             return DispatchOutcome.NOT_CLAIMED
-        return self._attempt(claim, {"outbox_id": claim.id, "effect": claim.effect, "event_id": claim.event_id,
-                                     "attempt": claim.attempt})
+        fields = {"outbox_id": claim.id, "effect": claim.effect, "event_id": claim.event_id,
+                  "attempt": claim.attempt}
+        try:
+            # The first of: refused, retries exhausted, how the delivery failed (None: it was sent).
+            result: Failure | LeaseLost | None = self._refused(claim) or self._deliver(claim)
+        except LeaseLost as lost:
+            result = lost
+        return self._conclude(claim, result, fields)
 
     def _refusal(self, claim: EffectClaim) -> Failure | None:
         if claim.effect not in self.senders:
             return Failure(Kind.PERMANENT, "no_sender", "NoSender", f"no sender configured for effect {claim.effect}")
         return None
 
-    def _work(self, claim: EffectClaim) -> Failure | None:
+    def _deliver(self, claim: EffectClaim) -> Failure | None:
+        """Call the sender, then finish under the lease; its failure, classified where it was caught.
+        Raises LeaseLost when the finish finds the lease taken over."""
         sender = self.senders[claim.effect]
         try:
             sender(EffectDelivery(sequence=claim.id, idempotency_key=claim.idempotency_key, effect=claim.effect,

@@ -22,6 +22,28 @@ from ledger.outbox import record
 from workers.failures import UnmappablePayload
 
 
+# Fields of an event's object naming other objects whose rows its handlers write.
+_RELATED_OBJECTS = ("customer", "subscription")
+
+
+def object_keys(event: Mapping[str, Any]) -> set[str]:
+    """The Stripe ids of the business objects applying ``event`` may write: its object's, and its
+    customer's and subscription's (an expanded one by its id). The apply transaction locks them
+    before any write (ledger/sql/objects.sql); a handler writing a row keyed by anything else
+    is left to Postgres' deadlock detection."""
+    data = event.get("data")
+    obj = data.get("object") if isinstance(data, Mapping) else None
+    if not isinstance(obj, Mapping):
+        return set()
+    keys = set()
+    for value in (obj.get("id"), *(obj.get(name) for name in _RELATED_OBJECTS)):
+        if isinstance(value, Mapping):
+            value = value.get("id")
+        if isinstance(value, str) and value:
+            keys.add(value)
+    return keys
+
+
 @dataclass(frozen=True)
 class ApplyContext:
     """What a handler gets: the event, and the connection of the apply transaction.

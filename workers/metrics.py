@@ -24,6 +24,8 @@ ATTEMPT_SECONDS = Histogram("worker_attempt_seconds", "Time from claim to finish
 RETRIES_SCHEDULED = Counter("worker_retries_scheduled_total", "Recoverable failures scheduled for a retry",
                             ["type", "reason"])
 LEASE_RESCUES = Counter("worker_lease_rescues_total", "Claims that took over an attempt whose worker died")
+LOCK_DEFERRALS = Counter("worker_lock_deferrals_total",
+                         "Events applied in a second transaction because another held one of their objects")
 REDRIVES = Counter("sweep_redrives_total", "Wake-ups re-sent by the recovery sweep")
 OUTBOX_SENT = Counter("outbox_sent_total", "Effects delivered", ["effect"])
 OUTBOX_RETRIES = Counter("outbox_retries_total", "Effect deliveries that failed recoverably and were rescheduled",

@@ -1,22 +1,20 @@
-"""Attempts at events: claim, apply through the handlers, finish or fail; one event, or a batch.
+"""Attempts at events: claim, apply through the handlers, finish or fail; one event or a batch, one path.
 
 The path of an attempt (retries exhausted, fail, lease lost) is workers.attempt's,
-shared with effect delivery; what is the event's own is here: its handlers run
-inside ``WorkerLedger.applying`` (the fence, their writes and the finish commit
-together), effects they recorded are woken after COMMIT, and its metrics.
-
-``process_batch`` makes the same attempts at several events for the price of one
-claim and one COMMIT: one compare-and-set claims every id it can, one transaction
-applies each claimed event in a savepoint of its own (``WorkerLedger.applying_batch``:
-fenced and finished per event, a failing one rolled back alone), and after the
-COMMIT each attempt is concluded on its own by workers.attempt's rules, its failure
-recorded and its wake-ups sent.
+shared with effect delivery; what is the event's own is here. Every wake-up takes
+the same path, whether it arrives alone (a countdown's, ``process``) or among the
+wake-ups a worker held together (``process_batch``): one compare-and-set claims
+every id it can; one transaction locks the objects the events write (see
+``_apply_all``) and applies each claimed event in a savepoint of its own
+(``WorkerLedger.applying``: fenced and finished per event, a failing one rolled
+back alone), and one COMMIT ends it; after the COMMIT each attempt is concluded on
+its own by workers.attempt's rules, its failure recorded and its wake-ups sent.
 
 A thin event notification is fetched first (workers/thin.py: the object or the v2 event
 it points at), after the claim and before the apply transaction opens, so no transaction
 or pooled connection waits on Stripe; a failed fetch is the attempt's failure, classified
-like any other. A batch fetches its thin members before its one transaction, up to
-``fetch_concurrency`` at once (threads that only wait on Stripe).
+like any other. Thin members are fetched up to ``fetch_concurrency`` at once (threads
+that only wait on Stripe).
 
 The Celery task is a thin shell around ``process`` and ``process_batch``
 (workers/tasks.py, workers/batching.py); this module knows nothing about Celery,
@@ -39,11 +37,11 @@ import psycopg
 from ledger.config import Settings
 from ledger.errors import LeaseLost
 from ledger.states import EventStatus
-from ledger.store import BatchApply, BatchLost, Claim, FailureRecord, WorkerLedger
+from ledger.store import ApplyTransaction, BatchLost, Claim, FailureRecord, WorkerLedger
 from workers import metrics, thin
 from workers.attempt import LeasedWork, outcomes
 from workers.failures import Failure, Kind, classify
-from workers.handlers import ApplyContext, HandlerRegistry
+from workers.handlers import ApplyContext, HandlerRegistry, object_keys
 from workers.retry import RetryPolicy
 from workers.thin import Applied, ThinFetcher
 from workers.wakeup import Waker
@@ -84,30 +82,15 @@ class EventProcessor(LeasedWork):
                    fetch_concurrency=settings.stripe_fetch_concurrency)
 
     def process(self, event_id: str) -> Outcome:
-        claim = self.ledger.claim(event_id, worker=self.worker_name, lease_s=self.lease_s)
-        if claim is None:
-            return self._not_claimed(event_id)
-        if claim.rescued:
-            metrics.LEASE_RESCUES.inc()
-        started = time.perf_counter()
-        try:
-            return self._attempt(claim, _fields(claim))
-        finally:
-            metrics.ATTEMPT_SECONDS.labels(claim.type).observe(time.perf_counter() - started)
+        """One attempt at one event: ``process_batch`` of one."""
+        return self.process_batch([event_id])[0]
 
     def process_batch(self, event_ids: Sequence[str]) -> list[Outcome]:
         """One attempt per event id, made together (see the module's docstring); their outcomes in
         the order of ``event_ids``. A repeated id is NOT_CLAIMED: its first copy is the attempt."""
         unique = list(dict.fromkeys(event_ids))
-        claims = self.ledger.claim_batch(unique, worker=self.worker_name, lease_s=self.lease_s) if unique else []
-        started = time.perf_counter()
-        results = self._apply_batch(claims)
-        outcomes = {}
-        for claim in claims:
-            try:
-                outcomes[claim.event_id] = self._conclude(claim, results[claim.event_id], _fields(claim))
-            finally:
-                metrics.ATTEMPT_SECONDS.labels(claim.type).observe(time.perf_counter() - started)
+        claims = self.ledger.claim(unique, worker=self.worker_name, lease_s=self.lease_s) if unique else []
+        outcomes = dict(zip((claim.event_id for claim in claims), self.attempt(claims)))
         seen: set[str] = set()
         answers = []
         for event_id in event_ids:
@@ -116,9 +99,29 @@ class EventProcessor(LeasedWork):
             answers.append(outcomes[event_id] if first and event_id in outcomes else self._not_claimed(event_id))
         return answers
 
-    def _apply_batch(self, claims: list[Claim]) -> dict[str, Failure | LeaseLost | None]:
-        """The work of a batch: every claim's result (as ``_conclude`` takes it) once the batch's
-        transaction has ended; the wake-ups of the effects it committed are sent."""
+    def attempt(self, claims: Sequence[Claim]) -> list[Outcome]:
+        """The attempts of claims already made (by ``process_batch``, or held by a stalled worker that
+        carries on): applied, then each concluded on its own; their outcomes, in order."""
+        started = time.perf_counter()
+        results = self._apply_all(list(claims))
+        outcomes = []
+        for claim in claims:
+            try:
+                outcomes.append(self._conclude(claim, results[claim.event_id], _fields(claim)))
+            finally:
+                metrics.ATTEMPT_SECONDS.labels(claim.type).observe(time.perf_counter() - started)
+        return outcomes
+
+    def _apply_all(self, claims: list[Claim]) -> dict[str, Failure | LeaseLost | None]:
+        """The work of the claims: every claim's result (as ``_conclude`` takes it) once its
+        transaction has ended; the wake-ups of the effects committed are sent.
+
+        Object locks (ledger/sql/objects.sql): the first transaction takes, without waiting,
+        the keys of its members' objects it can have, and applies the members whose keys are
+        all its own; the others go in a second transaction once the first has committed,
+        which waits for their keys, all of them at once in the one global order. So no two
+        transactions ever wait for each other in a cycle (no deadlock, whatever order the
+        wake-ups arrive in), and a transaction holding a batch's locks never waits for one."""
         results: dict[str, Failure | LeaseLost | None] = {}
         to_fetch: list[Claim] = []
         for claim in claims:
@@ -129,24 +132,46 @@ class EventProcessor(LeasedWork):
                 results[claim.event_id] = refused
             else:
                 to_fetch.append(claim)
-        fetched = self._fetch_all(to_fetch)  # before the batch's transaction opens
-        to_apply: list[tuple[Claim, Applied]] = []
+        fetched = self._fetch_all(to_fetch)  # before any transaction opens
+        members: list[_Member] = []
         for claim in to_fetch:
-            if isinstance(fetched[claim.event_id], Failure):
-                results[claim.event_id] = fetched[claim.event_id]
+            event = fetched[claim.event_id]
+            if isinstance(event, Failure):
+                results[claim.event_id] = event
             else:
-                to_apply.append((claim, fetched[claim.event_id]))
-        if not to_apply:
-            return results
+                members.append(_Member(claim, event, frozenset(object_keys(event.event))))
+        deferred = self._apply_round(members, results, wait=False) if members else []
+        if deferred:
+            metrics.LOCK_DEFERRALS.inc(len(deferred))
+            self._apply_round(deferred, results, wait=True)
+        return results
+
+    def _apply_round(self, members: list["_Member"], results: dict, *, wait: bool) -> list["_Member"]:
+        """One transaction: lock the members' objects (``wait``: all, in order; else what is free),
+        apply each member that holds its keys, COMMIT. Records each applied member's result in
+        ``results``; returns the members left for a transaction that waits."""
         applied: list[tuple[Claim, ApplyContext]] = []
+        deferred: list[_Member] = []
+        attempted: list[_Member] = []
         try:
-            with self.ledger.applying_batch() as batch:
+            with self.ledger.applying() as tx:
+                keys = set().union(*(member.keys for member in members))
+                if wait:
+                    tx.lock(keys)
+                    held = keys
+                else:
+                    held = tx.try_lock(keys)
                 out_of_time: Failure | None = None
-                for claim, event in to_apply:
+                for member in members:
+                    claim = member.claim
+                    if not member.keys <= held:
+                        deferred.append(member)
+                        continue
                     if out_of_time is not None:
                         results[claim.event_id] = out_of_time
                         continue
-                    result = self._apply_member(batch, claim, event)
+                    attempted.append(member)
+                    result = self._apply_member(tx, claim, member.event)
                     if isinstance(result, ApplyContext):
                         applied.append((claim, result))  # by the claim: a thin one's context has its twin's id
                         continue
@@ -155,22 +180,26 @@ class EventProcessor(LeasedWork):
                         # The task's soft time limit: the members not reached yet are not attempted.
                         out_of_time = dataclasses.replace(
                             result, message="the batch reached its time limit before this event was applied")
-        except Exception as exc:  # the transaction as a whole (COMMIT, the connection): nothing of it committed
-            failure = _batch_failure(exc)
-            for claim, _ in to_apply:
-                results.setdefault(claim.event_id, failure)
-            return results
+        except Exception as exc:  # the transaction as a whole (locks, COMMIT, the connection): nothing committed
+            failure = _transaction_failure(exc, lone=len(attempted) == 1)
+            for member in members:
+                results.setdefault(member.claim.event_id, failure)
+            return []
         for claim, context in applied:
             results[claim.event_id] = None
             self._after_commit(context)
-        return results
+        if out_of_time is not None:
+            for member in deferred:
+                results[member.claim.event_id] = out_of_time
+            return []
+        return deferred
 
-    def _apply_member(self, batch: BatchApply, claim: Claim, event: Applied) -> ApplyContext | Failure | LeaseLost:
+    def _apply_member(self, tx: ApplyTransaction, claim: Claim, event: Applied) -> ApplyContext | Failure | LeaseLost:
         try:
-            with batch.member(claim) as conn:
+            with tx.member(claim) as conn:
                 return self._run_handlers(conn, claim, event)
         except BatchLost:
-            raise  # the batch's, not this member's: _apply_batch fails every member with it
+            raise  # the transaction's, not this member's: _apply_round fails every member with it
         except LeaseLost as lost:
             return lost
         except Exception as exc:  # classified right here, where it is caught
@@ -185,20 +214,6 @@ class EventProcessor(LeasedWork):
             # Decided before any business write or API call: no handler, nothing to retry.
             return Failure(Kind.PERMANENT, "unsupported_type", "UnsupportedType",
                            f"no handler for event type {claim.type}")
-        return None
-
-    def _work(self, claim: Claim) -> Failure | None:
-        event = self._fetch(claim)
-        if isinstance(event, Failure):
-            return event
-        try:
-            with self.ledger.applying(claim) as conn:
-                context = self._run_handlers(conn, claim, event)
-        except LeaseLost:
-            raise
-        except Exception as exc:  # classified right here, where it is caught
-            return classify(exc)
-        self._after_commit(context)
         return None
 
     def _fetch(self, claim: Claim) -> Applied | Failure:
@@ -284,10 +299,19 @@ def _fields(claim: Claim) -> dict:
     return {"event_id": claim.event_id, "type": claim.type, "attempt": claim.attempt}
 
 
-def _batch_failure(exc: Exception) -> Failure:
-    """How the batch's transaction failed, as the failure of every member it took with it:
-    recoverable whatever its class, because it is no member's own (a lost connection, a
-    deferred constraint checked at COMMIT). The retry's wake-up carries a countdown, which
-    runs alone (workers/batching.py): there a member that is at fault fails on its own."""
+def _transaction_failure(exc: Exception, *, lone: bool) -> Failure:
+    """How the apply transaction failed, as the failure of every member it took with it. A lone
+    member's it is, classified as any failure of its own. Of several, recoverable whatever its class,
+    because it is no one member's (a lost connection, a deferred constraint checked at COMMIT): the
+    retry's wake-up carries a countdown and runs alone, where a member at fault fails on its own."""
     cause = exc.__cause__ if isinstance(exc, BatchLost) and exc.__cause__ is not None else exc
-    return dataclasses.replace(classify(cause), kind=Kind.RECOVERABLE)
+    failure = classify(cause)
+    return failure if lone else dataclasses.replace(failure, kind=Kind.RECOVERABLE)
+
+
+@dataclass(frozen=True)
+class _Member:
+    """A claimed event ready to apply: what its handlers take, and the object keys it locks."""
+    claim: Claim
+    event: Applied
+    keys: frozenset[str]

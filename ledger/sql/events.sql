@@ -49,49 +49,18 @@ SELECT id, type, status, attempts, failure_reason, last_error, stripe_created, l
  WHERE id = %(id)s
 
 -- name: event_claim
--- Worker: received | failed_recoverable (due) | processing (lease expired) -> processing.
--- The compare-and-set that makes one worker, on any host, the owner of an
--- attempt: concurrent claims of one id serialise on the row, and every one but
--- the first finds the guard false and gets no row (AlreadyTaken / done).
--- In the same statement: the dead worker's attempt (if any) is closed as
--- lease_expired, and this attempt is opened in the history.
-WITH claimed AS (
-    UPDATE ledger.events
-       SET status           = 'processing',
-           lease_owner      = %(lease_owner)s,
-           lease_expires_at = now() + make_interval(secs => %(lease_s)s),
-           attempts         = attempts + 1,
-           redrives         = 0,
-           updated_at       = now()
-     WHERE id = %(id)s
-       AND (status = 'received'
-            OR (status = 'failed_recoverable' AND next_attempt_at <= now())
-            OR (status = 'processing' AND lease_expires_at < now()))
- RETURNING id, type, attempts, attempts - attempt_base AS tries, payload, stripe_created,
-           livemode, api_version, account
-), closed AS (
-    UPDATE ledger.attempts
-       SET outcome = 'lease_expired', finished_at = now(),
-           error_class = 'LeaseExpired', error = 'worker stopped before finishing; lease expired'
-     WHERE event_id IN (SELECT id FROM claimed) AND outcome = 'running'
- RETURNING event_id
-), opened AS (
-    INSERT INTO ledger.attempts (event_id, attempt, worker, lease_owner)
-    SELECT id, attempts, %(worker)s, %(lease_owner)s FROM claimed
-)
-SELECT claimed.*, EXISTS (SELECT 1 FROM closed) AS rescued FROM claimed
-
--- name: event_claim_batch
--- Worker, for the wake-ups it holds: event_claim's transition (received |
--- failed_recoverable (due) | processing (lease expired) -> processing) for every
--- claimable id of the batch in one statement, under one lease owner for the batch.
--- One owner is enough: each event's fence, finish and fail still check it per id,
+-- Worker: received | failed_recoverable (due) | processing (lease expired) -> processing,
+-- for every claimable id of the wake-ups it holds (one, or a batch) in one statement,
+-- under one lease owner. The compare-and-set that makes one worker, on any host, the
+-- owner of an attempt: concurrent claims of one id serialise on the row, and every one
+-- but the first finds the guard false and gets no row (another has it, or it is done).
+-- One owner per claim is enough: each event's fence, finish and fail still check it per id,
 -- so a take-over of one member (a new owner on that row) fences that member alone.
 -- A row another transaction holds locked is skipped, not waited for: its holder
 -- (a worker applying it, a claim, the sweep, a redelivery making it due) finishes
 -- it or sends the next wake-up, and the sweep re-drives whatever is left; so a
--- batch never waits on another worker's apply. Closes each dead worker's attempt
--- as lease_expired and opens this one's, as event_claim does.
+-- batch never waits on another worker's apply. In the same statement each dead
+-- worker's attempt is closed as lease_expired, and this attempt is opened in the history.
 WITH claimable AS (
     SELECT id
       FROM ledger.events
@@ -130,8 +99,8 @@ SELECT claimed.*, claimed.id IN (SELECT event_id FROM closed) AS rescued FROM cl
 -- can re-claim while we apply. A worker whose lease expired and was re-claimed
 -- gets LL001 (ledger.lease_not_held): the pipelined statements behind it are
 -- skipped, none of its business writes runs, and it reports LeaseLost.
--- In a batch (WorkerLedger.applying_batch) it opens each event's savepoint, and
--- the refusal rolls back that savepoint alone.
+-- It opens each event's savepoint (WorkerLedger.applying), and the refusal rolls
+-- back that savepoint alone.
 SELECT coalesce((SELECT id
                    FROM ledger.events
                   WHERE id = %(id)s AND status = 'processing' AND lease_owner = %(lease_owner)s

@@ -134,7 +134,7 @@ def test_a_worker_serves_attempt_retry_and_rescue_metrics_summed_over_its_childr
     }
     # A worker claimed this one and died: its lease has run out.
     [rescued] = ids["rescued"]
-    assert kit.ledger("dead-worker").claim(rescued, worker="dead:1", lease_s=30) is not None
+    assert kit.ledger("dead-worker").claim([rescued], worker="dead:1", lease_s=30)
     kit.execute("UPDATE ledger.events SET lease_expires_at = now() - interval '1 second' WHERE id = %s", (rescued,))
 
     celery = make_celery(settings, publisher_only=True)

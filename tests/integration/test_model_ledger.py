@@ -53,7 +53,7 @@ from ledger.queries import SQL
 from ledger.store import EventStore, WorkerLedger
 from devkit.factories import event, incoming
 from tests.support import model_handlers
-from tests.support.workers import RecordingWaker
+from tests.support.workers import RecordingWaker, claim_one
 from workers.app import make_celery
 from workers.processor import Outcome
 from workers.retry import RetryPolicy
@@ -211,7 +211,7 @@ class LedgerMachine(RuleBasedStateMachine):
             self.expire_lease(self.ids.index(eid))
         rescue = self.model[eid].status == "processing"
         m = self._expect_claim(eid)
-        claim = self.env.ledger.claim(eid, worker="model:gone", lease_s=LEASE_S)
+        claim = claim_one(self.env.ledger, eid, worker="model:gone", lease_s=LEASE_S)
         if m is None:
             assert claim is None, f"{eid} was claimed while the model says it is not claimable"
             return None
@@ -330,7 +330,7 @@ class LedgerMachine(RuleBasedStateMachine):
             expected = self._expect_apply(claim.event_id, m)
         else:
             expected = Outcome.LEASE_LOST
-        got = self.env.processors[1]._attempt(claim, {})
+        [got] = self.env.processors[1].attempt([claim])
         assert got is expected, f"{claim.event_id}: the resumed attempt gave {got}, the model expects {expected}"
         if expected is Outcome.LEASE_LOST and claim.event_id not in model_handlers.FAULTS:
             # The fence's refusal reaches the pipelined attempt either before its handler

@@ -15,7 +15,7 @@ import pytest
 from devkit.factories import SubscriptionHistory, event
 from tests.support.operator import ACTOR, audit, ledger_rows
 from tests.support.receiver import WakeupQueue
-from tests.support.workers import RecordingWaker
+from tests.support.workers import RecordingWaker, claim_one, applying_one
 from workers.processor import Outcome
 
 BILLING_TABLES = ("customers", "subscriptions", "invoices", "checkout_sessions", "entitlements",
@@ -183,7 +183,7 @@ def test_replaying_processed_events_needs_force_and_changes_no_business_row(ledg
 def test_an_event_a_worker_holds_or_one_already_waiting_is_never_replayed(ledgerctl_cli, kit, failures):
     held = kit.record(event("test.effect", {"id": "obj_held"}, created=now()))
     waiting = kit.record(event("test.effect", {"id": "obj_waiting"}, created=now()))
-    claim = kit.ledger("live-worker").claim(held, worker="live:1", lease_s=30)
+    claim = claim_one(kit.ledger("live-worker"), held, worker="live:1", lease_s=30)
     assert claim is not None and kit.status(held) == "processing"
     before = ledger_rows(kit)
 
@@ -194,7 +194,7 @@ def test_an_event_a_worker_holds_or_one_already_waiting_is_never_replayed(ledger
 
     # The live worker still owns its attempt and finishes it: one effect, no replay in its history.
     processor = kit.processor(waker=RecordingWaker())
-    with processor.ledger.applying(claim) as conn:
+    with applying_one(processor.ledger, claim) as conn:
         conn.execute("INSERT INTO public.test_effects (event_id) VALUES (%s)", (held,))
     assert kit.status(held) == "processed" and kit.effects(held) == 1
     assert audit(kit, held) == []

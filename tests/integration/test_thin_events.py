@@ -14,7 +14,7 @@ import pytest
 
 from devkit.factories import SubscriptionHistory, health_event, incoming, thin_twin, v2_event
 from tests.support.stripe_api import API_KEY, TimedFake, api_settings, fake_stripe  # noqa: F401
-from tests.support.workers import RecordingWaker
+from tests.support.workers import RecordingWaker, claim_one
 from workers import metrics
 from workers.processor import Outcome
 
@@ -104,7 +104,7 @@ def test_no_transaction_is_open_while_a_notification_is_fetched(kit, settings, b
         history = history_with_current_state(fake)
         ids = [kit.record(history.events[0]), *(kit.record(thin_of(evt)) for evt in history.events[1:4])]
         proc = processor(kit, settings, fake, name="thinproc")
-        proc.ledger.claim("evt_warm_the_pool", worker="w", lease_s=1)  # the pool holds an idle connection
+        claim_one(proc.ledger, "evt_warm_the_pool", worker="w", lease_s=1)  # the pool holds an idle connection
         outcomes = proc.process_batch(ids) if batch else [proc.process(event_id) for event_id in ids]
     assert outcomes == [Outcome.PROCESSED] * 4
     assert len(fake.seen) >= 3 and all(s["state"] == "idle" and s["xact_start"] is None for s in fake.seen), \

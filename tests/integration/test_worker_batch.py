@@ -14,6 +14,7 @@ from devkit.factories import event
 from devkit.procs import wait_until
 from ledger.store import WorkerLedger
 from workers.processor import EventProcessor, Outcome
+from tests.support.workers import claim_one, applying_one
 
 TABLES = """
 CREATE TABLE IF NOT EXISTS public.batch_txids (event_id text NOT NULL, txid text NOT NULL);
@@ -139,7 +140,7 @@ def expire_and_take_over(kit, event_id: str):
     """The lease on ``event_id`` runs out and worker B claims it."""
     kit.execute("UPDATE ledger.events SET lease_expires_at = now() - interval '1 second' WHERE id = %s",
                 (event_id,))
-    claim = kit.ledger("worker-b").claim(event_id, worker="host-b:2", lease_s=30)
+    claim = claim_one(kit.ledger("worker-b"), event_id, worker="host-b:2", lease_s=30)
     assert claim is not None
     return claim
 
@@ -232,7 +233,7 @@ def test_a_member_whose_retries_are_exhausted_fails_permanently_and_its_mates_ar
     kit = batch_kit
     settings = dataclasses.replace(settings, max_attempts=1)
     [abandoned] = record(kit, "test.effect")
-    assert kit.ledger("dead-worker").claim(abandoned, worker="dead-host:1", lease_s=30) is not None
+    assert claim_one(kit.ledger("dead-worker"), abandoned, worker="dead-host:1", lease_s=30) is not None
     kit.execute("UPDATE ledger.events SET lease_expires_at = now() - interval '1 second' WHERE id = %s",
                 (abandoned,))
     mates = record(kit, "batch.txid", 2)
@@ -259,8 +260,8 @@ def test_a_member_whose_lease_was_taken_over_commits_nothing_and_its_batch_mates
         """Worker A: between its batch claim and its apply, the lease on ``victim`` runs out and
         worker B takes it over (A stalled, say)."""
 
-        def claim_batch(self, event_ids, *, worker, lease_s):
-            claims = super().claim_batch(event_ids, worker=worker, lease_s=lease_s)
+        def claim(self, event_ids, *, worker, lease_s):
+            claims = super().claim(event_ids, worker=worker, lease_s=lease_s)
             takeover["b"] = expire_and_take_over(kit, victim)
             return claims
 
@@ -282,7 +283,7 @@ def test_a_member_whose_lease_was_taken_over_commits_nothing_and_its_batch_mates
     assert all(kit.status(m) == "processed" and kit.effects(m) == 1 for m in mates)
 
     # The new owner finishes it, once.
-    with kit.ledger("worker-b").applying(takeover["b"]) as conn:
+    with applying_one(kit.ledger("worker-b"), takeover["b"]) as conn:
         conn.execute("INSERT INTO public.test_effects (event_id) VALUES (%s)", (victim,))
     assert kit.status(victim) == "processed" and kit.effects(victim) == 1
     assert [a["outcome"] for a in kit.attempts(victim)] == ["lease_expired", "processed"]
@@ -402,7 +403,7 @@ def test_ids_that_are_done_unknown_not_due_or_held_are_not_claimed_and_the_rest_
     assert processor.process(not_due) is Outcome.FAILED_RECOVERABLE  # due only after its backoff
     kit.execute("UPDATE ledger.events SET next_attempt_at = now() + interval '1 hour' WHERE id = %s", (not_due,))
     [held] = record(kit, "test.effect")
-    assert kit.ledger("other-worker").claim(held, worker="other:1", lease_s=30) is not None  # a live lease
+    assert claim_one(kit.ledger("other-worker"), held, worker="other:1", lease_s=30) is not None  # a live lease
     fresh = record(kit, "batch.txid", 2)
 
     outcomes = processor.process_batch([done, "evt_never_recorded", fresh[0], not_due, held, fresh[1]])
@@ -421,9 +422,9 @@ def test_a_row_locked_by_another_transaction_is_skipped_without_waiting(batch_ki
     [busy] = record(kit, "test.effect")
     fresh = record(kit, "batch.txid", 1)
     other = kit.ledger("other-worker")
-    claim = other.claim(busy, worker="other:1", lease_s=1)
+    claim = claim_one(other, busy, worker="other:1", lease_s=1)
     processor = make_processor(kit)
-    with other.applying(claim) as conn:
+    with applying_one(other, claim) as conn:
         conn.execute("INSERT INTO public.test_effects (event_id) VALUES (%s)", (busy,))
         wait_until(lambda: kit.event(busy)["lease_expires_at"] < kit.event(busy)["db_now"], timeout_s=30,
                    what="the applying worker's lease to expire")  # claimable by its status, but locked
@@ -439,11 +440,11 @@ def test_a_row_locked_by_another_transaction_is_skipped_without_waiting(batch_ki
 def test_a_rescued_member_closes_the_dead_workers_attempt(batch_kit):
     kit = batch_kit
     [rescued] = record(kit, "test.effect")
-    assert kit.ledger("dead-worker").claim(rescued, worker="dead-host:1", lease_s=30) is not None
+    assert claim_one(kit.ledger("dead-worker"), rescued, worker="dead-host:1", lease_s=30) is not None
     kit.execute("UPDATE ledger.events SET lease_expires_at = now() - interval '1 second' WHERE id = %s",
                 (rescued,))
     [fresh] = record(kit, "test.effect")
-    claims = kit.ledger().claim_batch([fresh, rescued], worker="host:1", lease_s=30)
+    claims = kit.ledger().claim([fresh, rescued], worker="host:1", lease_s=30)
     assert [(c.event_id, c.rescued, c.attempt) for c in claims] == [(fresh, False, 1), (rescued, True, 2)]
     assert [a["outcome"] for a in kit.attempts(rescued)] == ["lease_expired", "running"]
 

@@ -14,6 +14,7 @@ from ledger.store import LEASE_NOT_HELD, FailureRecord, WorkerLedger
 from devkit.factories import event
 from devkit.procs import wait_until
 from workers.processor import Outcome
+from tests.support.workers import claim_one, applying_one
 
 EFFECT_SQL = "INSERT INTO public.test_effects (event_id) VALUES (%s)"
 
@@ -30,11 +31,11 @@ def wait_lease_expired(kit, event_id: str) -> None:
 def take_over(kit, event_id: str):
     """Worker A claims with a 1 s lease and stalls; the lease expires; worker B re-claims."""
     ledger_a, ledger_b = kit.ledger("worker-a"), kit.ledger("worker-b")
-    claim_a = ledger_a.claim(event_id, worker="host-a:1", lease_s=1)
+    claim_a = claim_one(ledger_a, event_id, worker="host-a:1", lease_s=1)
     assert claim_a is not None and claim_a.attempt == 1
-    assert ledger_b.claim(event_id, worker="host-b:2", lease_s=30) is None  # live lease: nobody else
+    assert claim_one(ledger_b, event_id, worker="host-b:2", lease_s=30) is None  # live lease: nobody else
     wait_lease_expired(kit, event_id)
-    claim_b = ledger_b.claim(event_id, worker="host-b:2", lease_s=30)
+    claim_b = claim_one(ledger_b, event_id, worker="host-b:2", lease_s=30)
     assert claim_b is not None and claim_b.attempt == 2
     assert claim_b.lease_owner != claim_a.lease_owner
     return ledger_a, claim_a, ledger_b, claim_b
@@ -48,7 +49,7 @@ def test_a_worker_whose_lease_was_taken_over_cannot_apply_or_finish(kit):
     kit.execute("CREATE SEQUENCE IF NOT EXISTS public.fence_probe")
     probe_before = kit.query("SELECT last_value FROM public.fence_probe")[0]["last_value"]
     with pytest.raises(LeaseLost):
-        with ledger_a.applying(claim_a) as conn:
+        with applying_one(ledger_a, claim_a) as conn:
             conn.execute(EFFECT_SQL, (evt_id,))
             conn.execute("SELECT nextval('public.fence_probe')")
     # The fence is the first statement: behind it, no business write even ran.
@@ -65,7 +66,7 @@ def test_a_worker_whose_lease_was_taken_over_cannot_apply_or_finish(kit):
     assert row["status"] == "processing" and row["lease_owner"] == claim_b.lease_owner
 
     # The new owner finishes normally.
-    with ledger_b.applying(claim_b) as conn:
+    with applying_one(ledger_b, claim_b) as conn:
         conn.execute(EFFECT_SQL, (evt_id,))
     row = kit.event(evt_id)
     assert row["status"] == "processed" and row["attempts"] == 2
@@ -80,11 +81,12 @@ def test_the_processor_reports_lease_lost_and_the_new_owner_finishes_with_one_ef
     class StallingLedger(WorkerLedger):
         """Worker A: after claiming, it stalls past its lease and worker B takes over."""
 
-        def claim(self, event_id, *, worker, lease_s):
-            claim = super().claim(event_id, worker=worker, lease_s=1)
+        def claim(self, event_ids, *, worker, lease_s):
+            claims = super().claim(event_ids, worker=worker, lease_s=1)
+            [event_id] = event_ids
             wait_lease_expired(kit, event_id)
-            takeover["b"] = kit.ledger("worker-b").claim(event_id, worker="host-b:2", lease_s=30)
-            return claim
+            takeover["b"] = claim_one(kit.ledger("worker-b"), event_id, worker="host-b:2", lease_s=30)
+            return claims
 
     processor_a = kit.processor()
     processor_a.ledger = StallingLedger(kit.pool("worker-a"))
@@ -93,7 +95,7 @@ def test_the_processor_reports_lease_lost_and_the_new_owner_finishes_with_one_ef
     assert kit.effects(evt_id) == 0
     assert kit.event(evt_id)["lease_owner"] == takeover["b"].lease_owner
 
-    with kit.ledger("worker-b").applying(takeover["b"]) as conn:
+    with applying_one(kit.ledger("worker-b"), takeover["b"]) as conn:
         conn.execute(EFFECT_SQL, (evt_id,))
     assert kit.status(evt_id) == "processed"
     assert kit.effects(evt_id) == 1
@@ -146,24 +148,18 @@ def test_at_the_sql_level_a_stale_lease_owner_cannot_lock_finish_or_fail(kit):
     assert kit.status(evt_id) == "processed"
 
 
-def test_a_reclaim_waits_for_an_apply_in_progress_and_then_finds_it_done(kit):
-    """Holding the row lock to COMMIT means nobody re-claims while we apply, even past the lease."""
+def test_a_reclaim_during_an_apply_in_progress_gets_nothing_and_then_finds_it_done(kit):
+    """Holding the row lock to COMMIT means nobody re-claims while we apply, even past the lease:
+    the claim skips the locked row (its holder finishes it), and after COMMIT it is done."""
     evt_id = record_effect_event(kit)
     ledger_a, ledger_b = kit.ledger("worker-a"), kit.ledger("worker-b")
-    claim_a = ledger_a.claim(evt_id, worker="host-a:1", lease_s=1)
-    result: dict = {}
+    claim_a = claim_one(ledger_a, evt_id, worker="host-a:1", lease_s=1)
 
-    with ledger_a.applying(claim_a) as conn:
+    with applying_one(ledger_a, claim_a) as conn:
         conn.execute(EFFECT_SQL, (evt_id,))
         wait_lease_expired(kit, evt_id)  # still applying, lease now expired
-        reclaim = threading.Thread(target=lambda: result.setdefault(
-            "b", ledger_b.claim(evt_id, worker="host-b:2", lease_s=30)))
-        reclaim.start()
-        reclaim.join(0.5)
-        assert reclaim.is_alive(), "a re-claim must wait on the row the apply transaction holds"
-    reclaim.join(10)
-    assert not reclaim.is_alive()
-    assert result["b"] is None
+        assert claim_one(ledger_b, evt_id, worker="host-b:2", lease_s=30) is None
+    assert claim_one(ledger_b, evt_id, worker="host-b:2", lease_s=30) is None
     row = kit.event(evt_id)
     assert row["status"] == "processed" and row["attempts"] == 1
     assert kit.effects(evt_id) == 1
@@ -173,9 +169,9 @@ def test_in_the_pipelined_apply_a_savepoint_catches_a_statement_error_and_the_re
     """Statements are pipelined, so an error surfaces late; a savepoint waits for its own statements."""
     evt_id = record_effect_event(kit)
     ledger = kit.ledger("worker-a")
-    claim = ledger.claim(evt_id, worker="host-a:1", lease_s=30)
+    claim = claim_one(ledger, evt_id, worker="host-a:1", lease_s=30)
 
-    with ledger.applying(claim) as conn:
+    with applying_one(ledger, claim) as conn:
         conn.execute(EFFECT_SQL, (evt_id,))
         with pytest.raises(psycopg.errors.NotNullViolation):
             with conn.transaction():
@@ -188,14 +184,14 @@ def test_in_the_pipelined_apply_a_savepoint_catches_a_statement_error_and_the_re
 def test_an_error_in_the_pipelined_apply_rolls_back_every_statement_before_it(kit):
     evt_id = record_effect_event(kit)
     ledger = kit.ledger("worker-a")
-    claim = ledger.claim(evt_id, worker="host-a:1", lease_s=30)
+    claim = claim_one(ledger, evt_id, worker="host-a:1", lease_s=30)
 
     with pytest.raises(psycopg.errors.NotNullViolation):
-        with ledger.applying(claim) as conn:
+        with applying_one(ledger, claim) as conn:
             conn.execute(EFFECT_SQL, (evt_id,))
             conn.execute("INSERT INTO public.test_effects (event_id) VALUES (NULL)")
     assert kit.effects(evt_id) == 0 and kit.status(evt_id) == "processing"
     # The connection went back to the pool clean: the next apply on it commits.
-    with ledger.applying(claim) as conn:
+    with applying_one(ledger, claim) as conn:
         conn.execute(EFFECT_SQL, (evt_id,))
     assert kit.status(evt_id) == "processed" and kit.effects(evt_id) == 1

@@ -11,7 +11,7 @@ import pytest
 from ledger.store import WorkerLedger
 from devkit.factories import OLD_API, SubscriptionHistory, event, incoming
 from devkit.procs import run_together, wait_until
-from tests.support.workers import RecordingWaker
+from tests.support.workers import RecordingWaker, claim_one
 from workers.app import make_celery
 from workers.processor import EventProcessor, Outcome
 from workers.registry import HandlerRegistry
@@ -184,7 +184,7 @@ def test_retries_exhausted_end_failed_permanent_with_reason_retries_exhausted(ki
 def test_an_event_whose_workers_keep_dying_ends_retries_exhausted_after_max_attempts(kit, settings):
     settings = dataclasses.replace(settings, max_attempts=1)
     evt_id = kit.record(make_event("test.effect"))
-    dead = kit.ledger().claim(evt_id, worker="dead-host:1", lease_s=1)  # the worker dies holding the lease
+    dead = claim_one(kit.ledger(), evt_id, worker="dead-host:1", lease_s=1)  # the worker dies holding the lease
     assert dead is not None
     wait_until(lambda: kit.event(evt_id)["lease_expires_at"] < kit.event(evt_id)["db_now"], what="lease expiry")
 

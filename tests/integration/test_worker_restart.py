@@ -13,6 +13,7 @@ from ledger.migrate import migrate
 from ledger.states import EventStatus
 from ledger.store import EventStore, FailureRecord, WorkerLedger
 from devkit.factories import event, incoming
+from tests.support.workers import claim_one
 
 
 @pytest.fixture
@@ -27,7 +28,7 @@ def restarted(private_postgres):
     for evt in events:
         store.record_delivery(incoming(evt))
     ledger = WorkerLedger(worker_pool)
-    assert ledger.claim(events[0]["id"], worker="host:1", lease_s=30) is not None  # a live pooled connection
+    assert claim_one(ledger, events[0]["id"], worker="host:1", lease_s=30) is not None  # a live pooled connection
     private_postgres.stop()
     private_postgres.start()
     yield ledger, [evt["id"] for evt in events], url
@@ -38,7 +39,7 @@ def restarted(private_postgres):
 def test_the_first_claim_after_a_postgres_restart_succeeds(restarted):
     ledger, ids, url = restarted
 
-    claim = ledger.claim(ids[1], worker="host:1", lease_s=30)
+    claim = claim_one(ledger, ids[1], worker="host:1", lease_s=30)
 
     assert claim is not None and claim.event_id == ids[1]
 
@@ -51,7 +52,7 @@ def test_the_first_failure_record_after_a_postgres_restart_lands(private_postgre
     evt = event("test.effect", {"id": "obj_f"}, created=int(time.time()))
     EventStore(pool).record_delivery(incoming(evt))
     ledger = WorkerLedger(pool)
-    claim = ledger.claim(evt["id"], worker="host:1", lease_s=30)
+    claim = claim_one(ledger, evt["id"], worker="host:1", lease_s=30)
     private_postgres.stop()
     private_postgres.start()
 

@@ -158,7 +158,7 @@ def prepared_ledger(kit) -> PreparedLedger:
     claims = kit.ledger("prepared-claims")
     for group in ("in_progress", "expired_lease"):
         evt_id = add(group, event("test.effect", {"id": f"obj_{group}"}, created=now), "processing")
-        assert claims.claim(evt_id, worker="prepared:0", lease_s=3600) is not None
+        assert claims.claim([evt_id], worker="prepared:0", lease_s=3600)
     for n in range(2):
         add("received", event("invoice.created", {"id": f"in_new_{n}", "object": "invoice"}, created=now),
             "received")

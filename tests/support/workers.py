@@ -11,6 +11,7 @@ import json
 import subprocess
 import threading
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Mapping
 
@@ -221,3 +222,17 @@ def json_lines(text: str) -> list[dict]:
             except ValueError:
                 pass
     return lines
+
+
+def claim_one(ledger, event_id: str, *, worker: str, lease_s: int):
+    """The claim of one event by ``ledger`` (a WorkerLedger), or None when it is not claimable."""
+    claims = ledger.claim([event_id], worker=worker, lease_s=lease_s)
+    return claims[0] if claims else None
+
+
+@contextmanager
+def applying_one(ledger, claim):
+    """One claim applied alone, as a worker applies it: its connection inside the apply transaction's
+    member (fence before the body, finish after it, COMMIT at the end)."""
+    with ledger.applying() as tx, tx.member(claim) as conn:
+        yield conn

@@ -1,0 +1,26 @@
+-- Object locks: which business objects an apply transaction writes, locked before
+-- any of its writes (workers/processor.py, "Object locks"). A key is a Stripe
+-- object id (the event's object, its customer, its subscription); the lock is a
+-- transaction-scoped advisory lock on its 64-bit hash, so it costs no row and is
+-- released by COMMIT or ROLLBACK. Two transactions that lock the same objects in
+-- opposite orders deadlock, and Postgres finds that only after deadlock_timeout:
+-- so a transaction either never waits for one (object_try_lock), or takes all it
+-- needs at once in the one global order, by hash (object_lock).
+
+-- name: object_try_lock
+-- First statement of a batch's transaction: every key it can have without waiting.
+-- A key another transaction holds is not returned; the members that need it go in
+-- a later transaction (object_lock) instead of waiting here with locks held.
+SELECT key
+  FROM unnest(%(keys)s::text[]) AS key
+ WHERE pg_try_advisory_xact_lock(hashtextextended('ledger.object:' || key, 0))
+
+-- name: object_lock
+-- First statement of a transaction that waits for its keys: all of them, in
+-- ascending order of their hash, the one order every waiting transaction uses, so
+-- no two of them wait for each other. The sorted subquery fixes the order in
+-- which the outer query calls pg_advisory_xact_lock.
+SELECT count(pg_advisory_xact_lock(lock_id)) AS locked
+  FROM (SELECT DISTINCT hashtextextended('ledger.object:' || key, 0) AS lock_id
+          FROM unnest(%(keys)s::text[]) AS key
+         ORDER BY lock_id) AS ordered
