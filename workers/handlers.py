@@ -23,7 +23,7 @@ from workers.failures import UnmappablePayload
 
 
 # Fields of an event's object naming other objects whose rows its handlers write.
-_RELATED_OBJECTS = ("customer", "subscription")
+_RELATED_OBJECTS = ("customer", "customer_account", "subscription")
 
 
 def object_keys(event: Mapping[str, Any]) -> set[str]:

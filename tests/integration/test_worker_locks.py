@@ -1,0 +1,143 @@
+"""Object locks (ledger/sql/objects.sql, EventProcessor._apply_all) on real Postgres: two workers whose
+batches share customers and subscriptions neither deadlock nor hold a batch waiting for another."""
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from devkit.factories import SubscriptionHistory
+from devkit.procs import wait_until
+from workers.processor import Outcome
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _deadlocks(kit) -> int:
+    return kit.query("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")[0]["deadlocks"]
+
+
+def _hash(kit, key: str) -> int:
+    return kit.query("SELECT hashtextextended('ledger.object:' || %s, 0) AS h", (key,))[0]["h"]
+
+
+@pytest.fixture
+def histories(kit):
+    """Six customers' lifecycles (subscription and invoice events), recorded and not processed yet."""
+    events = []
+    for n in range(6):
+        events += SubscriptionHistory(start=1_700_000_000 + n).lifecycle().events
+    ids = kit.record_many(events)
+    return ids
+
+
+def test_two_workers_with_interleaved_batches_over_shared_customers_never_deadlock(kit, histories):
+    """Wake-ups handed out alternately to two workers (as a broker does with two consumers): each
+    batch holds events of every customer, in delivery order, so without one global lock order
+    the two would lock customers, subscriptions and entitlements in opposite orders."""
+    rng = random.Random(7)
+    ids = list(histories)
+    rng.shuffle(ids)
+    processors = [kit.processor(modules=(), name=f"worker-{n}") for n in range(2)]
+    before = _deadlocks(kit)
+    outcomes: list = []
+    lock = threading.Lock()
+
+    def run(processor, share):
+        for start in range(0, len(share), 8):
+            got = processor.process_batch(share[start:start + 8])
+            with lock:
+                outcomes.extend(got)
+
+    threads = [threading.Thread(target=run, args=(processors[n], ids[n::2])) for n in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(90)
+    assert not any(thread.is_alive() for thread in threads)
+
+    assert _deadlocks(kit) == before
+    failed = kit.query("SELECT id, failure_reason FROM ledger.events WHERE status <> 'processed'")
+    assert failed == [] and set(outcomes) == {Outcome.PROCESSED}, failed
+    assert kit.query("SELECT count(*) AS n FROM ledger.attempts WHERE outcome <> 'processed'")[0]["n"] == 0
+
+
+def test_a_batch_commits_the_events_whose_objects_are_free_while_another_transaction_holds_one(kit):
+    """No lock wait holds a batch: an event whose customer another transaction holds goes to a second
+    transaction, and the batch's other events commit without waiting for that one."""
+    busy, free = SubscriptionHistory(start=1_700_000_000), SubscriptionHistory(start=1_700_000_100)
+    [busy_id, free_id] = kit.record_many([busy.lifecycle().events[0], free.lifecycle().events[0]])
+    processor = kit.processor(modules=(), name="worker-a")
+    holder = kit.ledger("holder")
+    outcomes: list = []
+
+    with holder.applying() as tx:
+        assert tx.try_lock([busy.customer_id]) == {busy.customer_id}
+        worker = threading.Thread(target=lambda: outcomes.extend(processor.process_batch([busy_id, free_id])))
+        worker.start()
+        wait_until(lambda: kit.status(free_id) == "processed", timeout_s=20,
+                   what="the free event to commit while the busy one's customer is held")
+        assert kit.status(busy_id) == "processing"
+    worker.join(30)
+    assert outcomes == [Outcome.PROCESSED, Outcome.PROCESSED]
+    assert kit.status(busy_id) == "processed"
+
+
+def test_a_transaction_waiting_for_its_objects_holds_none_of_those_later_in_the_global_order(kit):
+    """object_lock waits for its keys in ascending order of their hash: while it waits for the first,
+    it holds none of the others, so two waiting transactions never hold what the other waits for."""
+    # Two keys whose order by name is the reverse of their order by hash: sorting by name is not enough.
+    names = [f"cus_lock_{n}" for n in range(8)]
+    low, high = next((a, b) for a in names for b in names if b < a and _hash(kit, a) < _hash(kit, b))
+    holder, waiter, prober = kit.ledger("holder"), kit.ledger("waiter"), kit.ledger("prober")
+    waiting = threading.Event()
+    done: list = []
+
+    def wait_for_both():
+        with waiter.applying() as tx:
+            waiting.set()
+            tx.lock([high, low])  # in the order a batch happened to meet them
+            done.append(True)
+
+    with holder.applying() as held:
+        assert held.try_lock([low]) == {low}
+        thread = threading.Thread(target=wait_for_both)
+        thread.start()
+        waiting.wait(10)
+        wait_until(lambda: kit.query("SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory' "
+                                     "AND NOT granted")[0]["n"] == 1, timeout_s=10, what="the waiter to wait")
+        with prober.applying() as probe:
+            assert probe.try_lock([high]) == {high}, "the waiter took a later key before the one it waits for"
+    thread.join(10)
+    assert done == [True]
+
+
+def test_the_countdown_path_takes_the_same_object_locks(kit):
+    """process (a retry's wake-up, alone) is a batch of one: an event whose object another transaction
+    holds waits for it in its second transaction rather than writing under it."""
+    history = SubscriptionHistory(start=1_700_000_200)
+    [event_id] = kit.record_many([history.lifecycle().events[1]])  # customer.subscription.created
+    processor = kit.processor(modules=(), name="worker-a")
+    holder = kit.ledger("holder")
+    outcomes: list = []
+    with holder.applying() as tx:
+        assert tx.try_lock([history.subscription_id]) == {history.subscription_id}
+        worker = threading.Thread(target=lambda: outcomes.append(processor.process(event_id)))
+        worker.start()
+        worker.join(1.0)
+        assert worker.is_alive() and kit.status(event_id) == "processing"
+    worker.join(30)
+    assert outcomes == [Outcome.PROCESSED]
+
+
+def test_object_keys_name_the_object_its_customer_and_its_subscription():
+    from workers.handlers import object_keys
+
+    assert object_keys({"data": {"object": {"id": "in_1", "customer": "cus_1", "subscription": "sub_1"}}}) == {
+        "in_1", "cus_1", "sub_1"}
+    assert object_keys({"data": {"object": {"id": "sub_1", "customer": {"id": "cus_2", "object": "customer"}}}}) == {
+        "sub_1", "cus_2"}
+    assert object_keys({"data": {"object": {"customer": "cus_3", "customer_account": "acct_3"}}}) == {
+        "cus_3", "acct_3"}
+    assert object_keys({"object": "v2.core.event"}) == set()
