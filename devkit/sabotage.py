@@ -64,11 +64,13 @@ SABOTAGES = (
         "subscription upsert overwrites whatever the event: the newer-than guard dropped from "
         "subscription_apply_event (workers/billing/billing.sql)",
         (("workers/billing/billing.sql",
-          "           source_event_created = EXCLUDED.source_event_created, updated_at = now()\n"
-          "     WHERE (t.source_event_created, t.source_event_id)\n"
-          "         < (EXCLUDED.source_event_created, EXCLUDED.source_event_id)\n"
+          "     WHERE CASE WHEN billing.same_owner('subscriptions', t.account, EXCLUDED.account, t.livemode, "
+          "EXCLUDED.livemode)\n"
+          "                THEN (t.source_event_created, t.source_event_id)\n"
+          "                   < (EXCLUDED.source_event_created, EXCLUDED.source_event_id) END\n"
           "    RETURNING id\n), transition AS (",
-          "           source_event_created = EXCLUDED.source_event_created, updated_at = now()\n"
+          "     WHERE billing.same_owner('subscriptions', t.account, EXCLUDED.account, t.livemode, "
+          "EXCLUDED.livemode)\n"
           "    RETURNING id\n), transition AS ("),),
         ("tests/integration/test_billing_ordering.py", "tests/integration/test_billing_idempotency.py")),
     Sabotage(
@@ -83,29 +85,15 @@ SABOTAGES = (
         "failure-marked-processed",
         "processor swallows a handler's exception and lets the apply transaction finish: the "
         "event is marked processed with whatever the handler wrote (EventProcessor._run_handlers, "
-        "workers/processor.py: one event's apply and a batch's alike)",
+        "workers/processor.py)",
         (("workers/processor.py",
-          "        for handle in self.registry.resolve(claim.type):\n            handle(context)\n",
-          "        for handle in self.registry.resolve(claim.type):\n            try:\n                handle(context)\n"
+          "        for handle in self.registry.resolve(event.type):\n            handle(context)\n",
+          "        for handle in self.registry.resolve(event.type):\n            try:\n                handle(context)\n"
           "            except Exception:\n                log.exception(\"handler failed\")\n"),),
         ("tests/unit/test_worker_failures.py", "tests/e2e/test_worker_retries.py")),
     Sabotage(
         "claim-without-status-check",
-        "event_claim takes any row by id, whatever its status or lease (and clears processed_at, "
-        "so the schema's CHECKs accept it) (ledger/sql/events.sql)",
-        (("ledger/sql/events.sql",
-          "     WHERE id = %(id)s\n       AND (status = 'received'\n"
-          "            OR (status = 'failed_recoverable' AND next_attempt_at <= now())\n"
-          "            OR (status = 'processing' AND lease_expires_at < now()))\n RETURNING id, type, attempts,",
-          "     WHERE id = %(id)s\n RETURNING id, type, attempts,"),
-         ("ledger/sql/events.sql",
-          "           redrives         = 0,\n           updated_at       = now()\n     WHERE id = %(id)s\n RETURNING",
-          "           redrives         = 0,\n           processed_at     = NULL,\n"
-          "           updated_at       = now()\n     WHERE id = %(id)s\n RETURNING")),
-        ("tests/e2e/test_worker_concurrency.py", "tests/integration/test_worker_processor.py")),
-    Sabotage(
-        "batch-claim-without-status-check",
-        "event_claim_batch takes every id of the batch, whatever its status or lease (and clears "
+        "event_claim takes every id it is given, whatever its status or lease (and clears "
         "processed_at, so the schema's CHECKs accept it) (ledger/sql/events.sql)",
         (("ledger/sql/events.sql",
           "     WHERE id = ANY(%(ids)s)\n       AND (status = 'received'\n"
@@ -117,12 +105,13 @@ SABOTAGES = (
           "     WHERE id IN (SELECT id FROM claimable)",
           "           redrives         = 0,\n           processed_at     = NULL,\n           updated_at       = now()\n"
           "     WHERE id IN (SELECT id FROM claimable)")),
-        ("tests/integration/test_worker_batch.py", "tests/e2e/test_worker_concurrency.py")),
+        ("tests/integration/test_worker_batch.py", "tests/e2e/test_worker_concurrency.py",
+         "tests/integration/test_worker_processor.py")),
     Sabotage(
-        "batch-fence-without-lease-owner",
-        "a batch applies each event under a fence and a finish that no longer check the lease owner: "
-        "lease_owner dropped from the statements BatchApply.member runs (ledger/store.py); the single "
-        "event's apply keeps its fence",
+        "member-fence-without-lease-owner",
+        "every event is applied under a fence and a finish that no longer check the lease owner: "
+        "lease_owner dropped from the statements ApplyTransaction.member runs (ledger/store.py); the "
+        "SQL itself keeps its guard",
         (("ledger/store.py",
           "            conn.execute(SQL.event_lock_if_lease_held, keys)\n            yield conn\n"
           "            conn.execute(SQL.event_finish_if_lease_held, keys)\n            conn.execute(f\"RELEASE",
@@ -131,16 +120,35 @@ SABOTAGES = (
           "            yield conn\n"
           "            conn.execute(SQL.event_finish_if_lease_held.replace(unfenced, \"\"), keys)\n"
           "            conn.execute(f\"RELEASE"),),
-        ("tests/integration/test_worker_batch.py",)),
+        ("tests/integration/test_worker_batch.py", "tests/integration/test_worker_fencing.py")),
     Sabotage(
-        "batch-member-not-rolled-back",
-        "a batch member that failed has its savepoint released instead of rolled back "
-        "(BatchApply._roll_back_member, ledger/store.py): its writes commit with its batch-mates' while "
-        "it is recorded as failed",
+        "member-not-rolled-back",
+        "a member of an apply transaction that failed has its savepoint released instead of rolled back "
+        "(ApplyTransaction._roll_back_member, ledger/store.py): its writes commit with its batch-mates' "
+        "while it is recorded as failed",
         (("ledger/store.py",
           "            conn.execute(f\"ROLLBACK TO SAVEPOINT {self._SAVEPOINT}\")\n",
           ""),),
         ("tests/integration/test_worker_batch.py",)),
+    Sabotage(
+        "object-locks-not-taken",
+        "the apply transaction locks no business object: object_keys (workers/handlers.py) names none, "
+        "so batches sharing customers lock their rows in arrival order",
+        (("workers/handlers.py",
+          "            keys.add(value)\n    return keys\n",
+          "            keys.add(value)\n    return set()\n"),),
+        ("tests/integration/test_worker_locks.py",)),
+    Sabotage(
+        "object-locks-unordered",
+        "a transaction that waits for its objects takes them in the order it met them, not the one "
+        "global order (object_lock, ledger/sql/objects.sql)",
+        (("ledger/sql/objects.sql",
+          "  FROM (SELECT DISTINCT hashtextextended('ledger.object:' || key, 0) AS lock_id\n"
+          "          FROM unnest(%(keys)s::text[]) AS key\n"
+          "         ORDER BY lock_id) AS ordered",
+          "  FROM (SELECT hashtextextended('ledger.object:' || key, 0) AS lock_id\n"
+          "          FROM unnest(%(keys)s::text[]) AS key) AS ordered"),),
+        ("tests/integration/test_worker_locks.py",)),
 )
 
 
