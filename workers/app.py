@@ -44,6 +44,14 @@ class _SharedClientRedisChannel(kombu.transport.redis.Channel):
     """
 
     _shared = None  # (the pool it was built on, the client)
+    # Called with (the Redis key, the message) of every message this channel puts, before it is sent:
+    # the Waker keeps one as the template of the wake-ups it writes itself (workers/wakeup.py).
+    on_put = None
+
+    def _put(self, queue, message, **kwargs):
+        if self.on_put is not None:
+            self.on_put(self._q_for_pri(queue, self._get_message_priority(message, reverse=False)), message)
+        return super()._put(queue, message, **kwargs)
 
     @contextmanager
     def conn_or_acquire(self, client=None):

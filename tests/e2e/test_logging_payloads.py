@@ -23,7 +23,7 @@ def test_receiver_and_worker_logs_name_each_attempt_and_never_contain_the_payloa
     marker = f"payload-marker-{uuid.uuid4().hex}"
     settings = dataclasses.replace(broker_settings, max_attempts=2)
     receiver = start_receiver(receiver_env(settings.database_url, settings.broker_url, WEBHOOK_SECRET,
-                                           LEDGER_QUEUE=settings.queue_name, LOG_LEVEL="INFO"), workers=1)
+                                           LEDGER_QUEUE=settings.queue_name, LOG_LEVEL="DEBUG"), workers=1)
     worker = configured_worker_factory(settings)
 
     at = int(time.time())

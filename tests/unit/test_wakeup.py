@@ -96,3 +96,45 @@ def test_ping_reports_whether_the_broker_accepts_a_connection(waker, fake_server
     assert waker.ping() is True
     fake_server.connected = False
     assert waker.ping() is False
+
+
+def _without_ids(message: dict) -> dict:
+    """A message with what differs between two wake-ups of one task blanked: ids, argument, delivery tag."""
+    message = json.loads(json.dumps(message))
+    message["headers"].update(id=None, root_id=None, argsrepr=None)
+    message["properties"].update(correlation_id=None, delivery_tag=None)
+    message["body"] = None
+    return message
+
+
+@pytest.mark.parametrize("wake", ["wake", "wake_effect"])
+def test_a_wakeup_written_from_the_template_is_the_message_kombu_writes(waker, fake_server, wake):
+    """The first wake-up of a task goes through Celery and kombu; the next are written from its message.
+    Both must be the same message but for the wake-up's own ids and argument, each decoding to its own
+    one-argument call, so a worker cannot tell them apart."""
+    send = getattr(waker, wake)
+    args = ["evt_1First", "evt_2Second", "evt_3Third"] if wake == "wake" else [11, 12, 13]
+    queue = QUEUE if wake == "wake" else f"{QUEUE}.effects"
+    for arg in args:
+        assert send(arg) is True
+    client = fakeredis.FakeRedis(server=fake_server)
+    first, *templated = [json.loads(m) for m in reversed(client.lrange(queue, 0, -1))]
+
+    assert len(templated) == 2
+    for arg, message in zip(args, [first, *templated]):
+        assert _without_ids(message) == _without_ids(first)
+        body_args, kwargs, _embed = json.loads(base64.b64decode(message["body"]))
+        assert body_args == [arg] and kwargs == {}
+        assert message["headers"]["argsrepr"] == repr([arg])
+        assert message["headers"]["id"] == message["headers"]["root_id"] == message["properties"]["correlation_id"]
+    ids = {m["headers"]["id"] for m in (first, *templated)}
+    tags = {m["properties"]["delivery_tag"] for m in (first, *templated)}
+    assert len(ids) == len(tags) == 3
+
+
+def test_a_countdown_wakeup_never_becomes_a_template(waker, fake_server):
+    assert waker.wake("evt_1Later", countdown_s=5) is True
+    assert waker.wake("evt_2Now") is True
+    assert waker.wake("evt_3Now") is True
+    etas = [m["headers"]["eta"] for m in _queued(fake_server)]
+    assert sorted(e is None for e in etas) == [False, True, True]
