@@ -433,6 +433,7 @@ class Chaos(threading.Thread):
         self.stop = threading.Event()
         self.counts: Counter = Counter()
         self.errors: list[str] = []
+        self.every_kind_tried = threading.Event()  # set once each kind of fault had its first turn
 
     def run(self) -> None:
         names = [a for a, _ in self.ACTIONS]
@@ -441,6 +442,8 @@ class Chaos(threading.Thread):
         first = self.rng.sample(names, len(names))
         while not self.stop.wait(self.rng.uniform(*self.cfg.chaos_interval)):
             action = first.pop() if first else self.rng.choices(names, weights)[0]
+            if not first:
+                self.every_kind_tried.set()
             try:
                 if getattr(self, action)():
                     self.counts[action] += 1
@@ -690,6 +693,9 @@ def run(cfg: Config) -> tuple[Result, list[str]]:
         remaining = cfg.min_chaos_s - (time.monotonic() - chaos_started)
         if remaining > 0:
             time.sleep(remaining)
+        # On a loaded machine a RabbitMQ fault (rabbitmqctl) takes seconds: the chaos goes on until every
+        # kind had its turn, so that each run has each.
+        chaos.every_kind_tried.wait(120)
         chaos.stop.set()
         chaos.join(120)
         stack.top_up_workers()
