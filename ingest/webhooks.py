@@ -36,7 +36,8 @@ def _answer(http_status: int, outcome: str, started: float, **body):
     metrics.LATENCY.observe(time.perf_counter() - started)
     # json.dumps over jsonify: the same bytes for these flat bodies, without Flask's JSON provider
     # machinery on every delivery.
-    return Response(json.dumps({"outcome": outcome, **body}), status=http_status, mimetype="application/json")
+    return Response(json.dumps({"outcome": outcome, **body}, separators=(",", ":")), status=http_status,
+                    mimetype="application/json")
 
 
 # How long the receiver waits for the next bytes of a body (between two reads of the socket, like
