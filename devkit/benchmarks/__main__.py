@@ -15,7 +15,7 @@ from pathlib import Path
 from devkit.procs import REPO
 from devkit.stack import DEFAULT_RECEIVER_SERVER, DEFAULT_THREADS, RECEIVER_SERVERS
 
-from . import report
+from . import brokers, report
 from .scenarios import ALL, INTERLEAVED, SCENARIOS, Bench, Options, log
 
 DOCS = REPO / "docs"
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--receiver", dest="receiver_server", choices=RECEIVER_SERVERS,
                         help=f"the receiver's WSGI server (default {DEFAULT_RECEIVER_SERVER}, as in README; "
                              "--receiver-threads alone means gunicorn-gthread)")
-    parser.add_argument("--receiver-workers", type=int, help="receiver worker processes (default 4, as in README)")
+    parser.add_argument("--receiver-workers", type=int, help="receiver worker processes (default 2, as in README)")
     parser.add_argument("--receiver-threads", type=int,
                         help="threads per receiver worker: gthread's, or granian's blocking threads "
                              "(default: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_THREADS.items()) + ")")
@@ -137,6 +137,18 @@ def main(argv: list[str] | None = None) -> int:
                              "(Stripe takes 100-400 ms; default 0)")
     parser.add_argument("--fetch-concurrency", type=int,
                         help="steady --payload thin|both: the workers' STRIPE_FETCH_CONCURRENCY (default: its default)")
+    parser.add_argument("--broker", choices=(*brokers.BROKERS, "both"), default="redis",
+                        help="the broker the stack runs on: the private Redis (default, as README runs it), RabbitMQ "
+                             "(the machine's, 127.0.0.1:5672, on a vhost of the run's own; CELERY_BROKER_URL), or "
+                             "both: steady and drain then run on each, taking turns, and every other scenario on "
+                             "Redis")
+    parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=None,
+                        help="steady: run Stripe's sync engine (@stripe/sync-engine, npm, on the machine's Node) on "
+                             "the same stream at each level, for the ratio to it; installed once into "
+                             "~/.cache/stripe-ledger-bench (default: on when node and npm are on PATH; --peer "
+                             "requires them)")
+    parser.add_argument("--receiver-cost-requests", type=int,
+                        help="receiver-cost: deliveries per measured run (default 4000; --quick 1500)")
     parser.add_argument("--compare", metavar="REV",
                         help="also run git revision REV's product (receiver, workers, sweep, migrations) under this "
                              "harness, in the same run: steady takes turns per level, any other scenario runs once "
@@ -148,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         results = json.loads(args.render.read_text())
         results["summaries"] = {name: report.summary(name, results[name])[1]
                                 for name in results.get("summaries", {}) if name in results}
+        results["targets"] = report.issue_targets(results)
+        print(report.targets_table(results["targets"]))
         for line in results["summaries"].values():
             print(line)
         for written in write(results, DOCS):
@@ -169,15 +183,18 @@ def main(argv: list[str] | None = None) -> int:
                         steady_events=args.steady_events, steady_payload=args.steady_payload,
                         thin_snapshot_twin=args.thin_snapshot_twin, thin_latency_ms=args.thin_latency_ms,
                         fetch_concurrency=args.fetch_concurrency,
-                        compare=args.compare)
+                        compare=args.compare, brokers=brokers.choices(args.broker), peer=args.peer,
+                        receiver_cost_requests=args.receiver_cost_requests)
     names = list(ALL) if args.scenario == "all" else [n.strip() for n in args.scenario.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown or not names:
         parser.error(f"unknown scenario(s) {', '.join(unknown) or '(none)'}: choose all or "
                      + ", ".join(SCENARIOS))
-    # A full 'all' run rewrites the results section; a full steady run with --compare the opening one.
+    # A full 'all' run rewrites the results section; a full steady run beside the sync engine (or with
+    # --compare) the opening one.
     write_docs = args.docs if args.docs is not None else (
-        not args.quick and (args.scenario == "all" or ("steady" in names and bool(args.compare))))
+        not args.quick and (args.scenario == "all"
+                            or ("steady" in names and (args.peer is not False or bool(args.compare)))))
 
     load_before = wait_for_quiet(args.wait_load, args.wait_max) if args.wait_load else _loadavg()
     meta = {"command": "ops/bench " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -230,11 +247,14 @@ def main(argv: list[str] | None = None) -> int:
         bench.results["meta"] = meta
         bench.results["summaries"] = summaries
         bench.results["peak_rss_mb"] = bench.peak_rss
+        bench.results["targets"] = report.issue_targets(bench.results)
         path = out / "results.json"
         path.write_text(json.dumps(bench.results, indent=2, default=str))
     if status == 0:
+        print(f"\n== targets ({report.TARGETS_SOURCE}) ==\n{report.targets_table(bench.results['targets'])}\n")
         for line in summaries.values():
             print(line)
+        print(report.targets_summary(bench.results["targets"]))
         ld = meta["load_during"]
         print(f"SUMMARY run wall_s={meta['wall_s']:.0f} load_min={ld['min']:.2f} load_mean={ld['mean']:.2f} "
               f"load_max={ld['max']:.2f} results={path}")

@@ -1,9 +1,12 @@
 """docs/benchmarks.md: two blocks are written by runs, the rest of the page (method, profiles,
 fixes) by hand. The block between the steady markers opens the page and is rewritten by a
-full steady run with ``--compare`` (the whole stack, this revision against an older one);
+full steady run beside Stripe's sync engine (the side-by-side table of that one run, then
+each broker's levels, the drain per broker and the receiver's cost when the run measured
+them, and the issue's targets), or with ``--compare`` (this revision against an older one);
 the block between the results markers by every full ``ops/bench all``."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +16,9 @@ from . import report
 
 BEGIN = "<!-- bench:results:begin (written by ops/bench all; do not edit by hand) -->"
 END = "<!-- bench:results:end -->"
-STEADY_BEGIN = "<!-- bench:steady:begin (written by ops/bench steady --compare REV; do not edit by hand) -->"
+STEADY_BEGIN = "<!-- bench:steady:begin (written by a full ops/bench steady run; do not edit by hand) -->"
+# The opening's begin marker as any earlier version wrote it.
+_STEADY_BEGIN_ANY = re.compile(r"<!-- bench:steady:begin \(.*?\) -->")
 STEADY_END = "<!-- bench:steady:end -->"
 
 
@@ -43,7 +48,9 @@ def write(results: dict[str, Any], docs: Path) -> list[Path]:
         written.append(docs / "benchmarks-burst.png")
     page = docs / "benchmarks.md"
     text = page.read_text() if page.exists() else "# Benchmarks\n"
-    if results.get("steady") and report.steady_sides(results["steady"])[1]:
+    steady = results.get("steady")
+    if steady and (report.steady_peer(steady) or report.steady_sides(steady)[1]):
+        text = _STEADY_BEGIN_ANY.sub(STEADY_BEGIN, text, count=1)
         text = _replace(text, STEADY_BEGIN, STEADY_END, steady_block(results), at_top=True)
     if full:
         text = _replace(text, BEGIN, END, results_block(results))
@@ -70,6 +77,13 @@ def _run_line(meta: dict[str, Any]) -> list[str]:
             + ".", ""]
 
 
+def _brokers_in_words(st: dict[str, Any]) -> str:
+    words = {"redis": "the private Redis", "amqp": "RabbitMQ (the machine's server, a vhost of the run's own)"}
+    on = report.steady_brokers(st)
+    text = " or ".join(words.get(b, b) for b in on)
+    return text + (", taking turns per level (CELERY_BROKER_URL)" if len(on) > 1 else "")
+
+
 def _steady_method(st: dict[str, Any]) -> str:
     p = st["payload"]
     return (f"The stack as README runs it: the receiver ("
@@ -77,7 +91,8 @@ def _steady_method(st: dict[str, Any]) -> str:
             f"`celery -A workers worker --concurrency {st['worker_concurrency']}` ({st['workers']} parents, "
             f"{st['workers'] * st['worker_concurrency']} pool children; every queue, Celery's own log level, mingle, "
             f"gossip and heartbeats as by default; `LOG_LEVEL=INFO`) and `ledgerctl sweep --loop`, on the private "
-            f"durable Postgres (fsync and synchronous_commit on) and Redis. Per level: a fresh stack, warmed up "
+            f"durable Postgres (fsync and synchronous_commit on) and {_brokers_in_words(st)}. Per level: a fresh "
+            f"stack, warmed up "
             f"(200 events), on an emptied ledger; then {st['events_per_level']:,} basil-era ({st['api_version']}) "
             f"lifecycle events, {p['min_kb']:.1f}-{p['max_kb']:.1f} KB (median {p['median_kb']:.1f} KB, mean "
             f"{p.get('mean_kb', p['median_kb']):.1f} KB; customers are the small ones), plus "
@@ -103,29 +118,102 @@ def _f(value: float, spec: str = ".1f") -> str:
     return format(value, spec)
 
 
+def _peer_method(st: dict[str, Any]) -> str:
+    pe = st["peer"]
+    calls = sum(r.get("stripe_api_requests", 0) for r in pe["runs"])
+    return (f"The peer: {pe['settings']}. Per level it gets a fresh database of its own on the same private "
+            f"Postgres (same settings: fsync and synchronous_commit on), is warmed up on the same 200 events and "
+            f"emptied, then receives the very deliveries the stack received at that level (same bodies, same "
+            f"redeliveries at the same places, each run's requests signed just before it starts) from the same "
+            f"wrk at the same connections. It applies each event in the request, so acknowledged means applied: "
+            f"its events/s is the events over the time from the first send to the last answer (or to its last "
+            f"row write, if later), and every event's object is checked present in its tables afterwards. Its "
+            f"Stripe client points at a local fake Stripe API, which counted {calls} call(s) in all. Its server "
+            f"keeps connections open between requests (express), as the receiver's gthread workers do (gunicorn's "
+            f"keep-alive); sync workers close each one.")
+
+
+def _targets_lines(r: dict[str, Any]) -> list[str]:
+    targets = r.get("targets") or report.issue_targets(r)
+    return [f"Targets ({report.TARGETS_SOURCE}), each as this run measured it:", "",
+            report.targets_table(targets, markdown=True), ""]
+
+
+def _drain_lines(r: dict[str, Any]) -> list[str]:
+    dr = r.get("drain")
+    if not dr or not report.drain_broker_ratios(dr):
+        return []
+    return ["### drain per broker", "",
+            f"The same backlog of {dr['events']:,} received events (rows and wake-ups in place before any worker "
+            f"starts), drained by each fleet on each broker in turn; events/s and the machine's busy share "
+            f"(/proc/stat, 1 - idle/total over every core; on a shared machine other users' work counts too, so the "
+            f"share of the workers', Postgres' and the broker's own CPU is given beside it) over "
+            + ("the whole drain." if dr.get("full_drain") else f"a {dr['window_s']:.0f} s window.") + "", "",
+            report.md_table(report.drain_rows(dr), report.DRAIN_COLUMNS), "",
+            *(f"* {line}" for line in report.drain_ratio_lines(dr)), ""]
+
+
+def _receiver_cost_lines(r: dict[str, Any]) -> list[str]:
+    co = r.get("receiver-cost")
+    if not co:
+        return []
+    rows = [{**co["receiver"], "server": "receiver"}, {**co["minimal"], "server": "minimal WSGI app"}]
+    return ["### the receiver's CPU against a minimal WSGI app (`receiver-cost`)", "",
+            f"Both under {co['server']}, the same wrk load (c={co['connections']}, {co['requests_per_run']:,} new "
+            f"deliveries per run, {co['rounds']} run(s) each, taking turns), on Redis. The minimal app "
+            f"(`devkit/benchmarks/minimal_wsgi.py`) does the same I/O and nothing else: the HMAC check, the JSON "
+            f"parse, the receiver's `event_record_delivery`, one LPUSH of the wake-up. CPU: the server's processes "
+            f"(master and workers), per recorded delivery.", "",
+            report.md_table(rows, report.RECEIVER_COST_COLUMNS), "",
+            f"Ratio: **{co['ratio']:.2f}×**.", ""]
+
+
 def steady_block(r: dict[str, Any]) -> str:
-    """The page's opening: the whole stack at each concurrency, this revision, then before/after."""
+    """The page's opening: the side-by-side table against the sync engine from this one run, then each
+    broker's levels, the drain per broker and the receiver's cost if measured, the targets, and the
+    before/after tables when the run compared revisions."""
     st = r["steady"]
     current, baseline = report.steady_sides(st)
-    old = baseline["label"]
-    out = ["## The whole stack, before and after (`steady`)", "", *_run_line(r["meta"]),
-           f"Compared revision: `{baseline['commit']}` ({old}): its receiver, workers, sweep and migrations, "
-           f"installed from a git worktree into a virtualenv of its own, run under this checkout's harness in the "
-           f"same run, taking turns with the current revision per level ({old} c=1, current c=1, {old} c=8, ...).",
-           "", _steady_method(st), "",
-           "### steady, current revision", "",
-           "CPU columns: ms per processed event.", "",
-           report.steady_table(st, markdown=True), "",
-           f"### before/after: throughput and latency (ratio = current / {old})", "",
-           report.steady_compare_table(st, report.STEADY_FIGURES, markdown=True), "",
-           f"### before/after: CPU ms per processed event (ratio = current / {old})", "",
-           report.steady_compare_table(st, report.STEADY_CPU_FIGURES, markdown=True), "",
-           f"### before/after: traffic per processed event (ratio = current / {old})", "",
-           report.steady_compare_table(st, report.STEADY_TRAFFIC_FIGURES, markdown=True), "",
-           *_top_statements(current["runs"][-1]),
-           "Targets (from the issue):", "",
-           *(f"* {t}: {what} — **{'met' if ok else 'not met'}**" for t, what, ok in report.steady_targets(st).values()),
-           "", "```", r.get("summaries", {}).get("steady", ""), "```"]
+    peer_runs = report.steady_peer(st)
+    on = report.steady_brokers(st)
+    names = " and ".join(report.BROKER_LABELS.get(b, b) for b in on)
+    out = []
+    if peer_runs:
+        out += [f"## The whole stack against Stripe's sync engine (`steady`, on {names})", "",
+                f"One run, the same stream for both at each level ({st['events_per_level']:,} events plus "
+                f"{100 * st['redelivery_share']:.0f}% redeliveries), the same machine:", "",
+                report.steady_side_by_side(st, markdown=True), ""]
+    else:
+        out += ["## The whole stack, before and after (`steady`)", ""]
+    out += [*_run_line(r["meta"])]
+    if baseline:
+        old = baseline["label"]
+        out += [f"Compared revision: `{baseline['commit']}` ({old}): its receiver, workers, sweep and migrations, "
+                f"installed from a git worktree into a virtualenv of its own, run under this checkout's harness in "
+                f"the same run, taking turns with the current revision per level ({old} c=1, current c=1, {old} "
+                f"c=8, ...).", ""]
+    out += [_steady_method(st), ""]
+    if peer_runs:
+        out += [_peer_method(st), "", f"### {st['peer']['package']}", "",
+                report.steady_peer_table(st, markdown=True), ""]
+    for broker in on:
+        out += [f"### steady on {report.BROKER_LABELS.get(broker, broker)}, current revision", "",
+                "CPU columns: ms per processed event.", "", report.steady_table(st, markdown=True, broker=broker), ""]
+    out += _drain_lines(r) + _receiver_cost_lines(r)
+    if baseline:
+        old = baseline["label"]
+        out += [f"### before/after: throughput and latency (ratio = current / {old})", "",
+                report.steady_compare_table(st, report.STEADY_FIGURES, markdown=True), "",
+                f"### before/after: CPU ms per processed event (ratio = current / {old})", "",
+                report.steady_compare_table(st, report.STEADY_CPU_FIGURES, markdown=True), "",
+                f"### before/after: traffic per processed event (ratio = current / {old})", "",
+                report.steady_compare_table(st, report.STEADY_TRAFFIC_FIGURES, markdown=True), ""]
+    out += [*_top_statements(current["runs"][-1]), *_targets_lines(r),
+            "Targets of the earlier passes:", "",
+            *(f"* {t}: {what} — **{'met' if ok else 'not met'}**" for t, what, ok in report.steady_targets(st).values()),
+            "", "```", *(r.get("summaries", {}).get(name, "") for name in ("steady", "drain", "receiver-cost")
+                          if r.get("summaries", {}).get(name)),
+            report.targets_summary(r.get("targets") or report.issue_targets(r)), "```"]
     return "\n".join(out)
 
 
@@ -153,12 +241,16 @@ def results_block(r: dict[str, Any]) -> str:
         out += ["### drain", "",
                 f"A backlog of {dr['events']:,} received events ({dr['events'] // 10:,} subscription lifecycles: "
                 + ", ".join(f"{k} {v:,}" for k, v in dr["mix"].items())
-                + ") processed by N `celery worker --concurrency 1` instances; the limit is pgbench with N clients "
-                  "running, per transaction, the statements a worker sends for one event, on a fresh copy of the backlog. "
+                + ") processed by N `celery worker --concurrency 1` instances, then by the pools README runs "
+                  "(2 `celery -A workers worker --concurrency 2`), on each broker in turn; the limit is pgbench "
+                  "with as many clients as pool processes running, per transaction, the statements a worker sends "
+                  "for one event, on a fresh copy of the backlog. "
                 + ("Each backlog drained to the end." if dr.get("full_drain") else
                    f"Rates over a {dr['window_s']:.0f} s window for the workers (after every worker is up) and "
                    f"{dr['pgbench_window_s']:.0f} s for pgbench, with the whole backlog in place."), "",
-                report.md_table(dr["runs"], report.DRAIN_COLUMNS), ""]
+                report.md_table(report.drain_rows(dr), report.DRAIN_COLUMNS), "",
+                *([*(f"* {line}" for line in report.drain_ratio_lines(dr)), ""] if report.drain_ratio_lines(dr)
+                  else [])]
     if "burst" in r:
         bu = r["burst"]
         out += ["### burst", "",

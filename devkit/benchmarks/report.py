@@ -49,11 +49,56 @@ INGEST_COLUMNS = [("concurrency", "c", ""), ("rps", "req/s", ".1f"), ("p50_ms", 
                   ("p95_ms", "p95 ms", ".1f"), ("p99_ms", "p99 ms", ".1f"), ("errors", "errors", ""),
                   ("wrk_cpu_pct", "wrk CPU %", ".1f"), ("pgbench_tps", "pgbench tps", ".1f"),
                   ("pgbench_p99_ms", "pgbench p99 ms", ".1f"), ("ingest_ratio", "ingest_ratio", ".3f")]
-DRAIN_COLUMNS = [("workers", "workers", ""), ("events", "backlog", ""), ("processed", "processed", ""),
-                 ("seconds", "seconds", ".1f"),
-                 ("events_per_s", "events/s", ".1f"), ("errors", "errors", ""),
+DRAIN_COLUMNS = [("workers", "workers", ""), ("broker_label", "broker", ""), ("events", "backlog", ""),
+                 ("processed", "processed", ""), ("seconds", "seconds", ".1f"),
+                 ("events_per_s", "events/s", ".1f"), ("busy_pct", "machine busy %", ".0f"),
+                 ("stack_busy_pct", "of which workers+Postgres+broker %", ".0f"),
+                 ("deadlocks", "deadlocks", ""), ("attempts_deadlocked", "deadlocked attempts", ""),
+                 ("errors", "errors", ""),
                  ("pgbench_tps", "pgbench tps", ".1f"), ("pgbench_statements_per_event", "stmts/tx", ".2f"),
                  ("drain_ratio", "drain_ratio", ".3f")]
+def drain_fleets(result: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Each fleet's run on each broker: {fleet: {broker: run}}, the worker counts first, then README's pools."""
+    by_broker = result.get("brokers") or {result.get("broker", "redis"): {"runs": result["runs"],
+                                                                         "readme": result.get("readme")}}
+    fleets: dict[str, dict[str, dict[str, Any]]] = {}
+    for broker, found in by_broker.items():
+        for run in [*found["runs"], *([found["readme"]] if found.get("readme") else [])]:
+            fleets.setdefault(str(run["workers"]), {})[broker] = run
+    return fleets
+
+
+def drain_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every drain run as a table row: per fleet, one row per broker."""
+    rows = []
+    for per_broker in drain_fleets(result).values():
+        for broker, run in per_broker.items():
+            rows.append({**run, "broker_label": BROKER_LABELS.get(run.get("broker", broker), broker),
+                         "busy_pct": 100 * run["busy"] if "busy" in run else None,
+                         "stack_busy_pct": 100 * run["stack_busy"] if "stack_busy" in run else None})
+    return rows
+
+
+def drain_broker_ratios(result: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per fleet run on both brokers: Redis' events/s over RabbitMQ's, and each one's busy share."""
+    out = {}
+    for fleet, per_broker in drain_fleets(result).items():
+        redis, amqp = per_broker.get("redis"), per_broker.get("amqp")
+        if redis and amqp and amqp["events_per_s"]:
+            out[fleet] = {"ratio": redis["events_per_s"] / amqp["events_per_s"], "redis_eps": redis["events_per_s"],
+                          "amqp_eps": amqp["events_per_s"], "redis_busy": redis.get("busy", 0.0),
+                          "amqp_busy": amqp.get("busy", 0.0), "redis_stack_busy": redis.get("stack_busy", 0.0),
+                          "amqp_stack_busy": amqp.get("stack_busy", 0.0)}
+    return out
+
+
+def drain_ratio_lines(result: dict[str, Any]) -> list[str]:
+    return [f"{fleet}: Redis {x['redis_eps']:.1f} / RabbitMQ {x['amqp_eps']:.1f} events/s = {x['ratio']:.2f}× "
+            f"(machine busy {100 * x['redis_busy']:.0f}% on Redis, {100 * x['amqp_busy']:.0f}% on RabbitMQ; of which "
+            f"workers, Postgres and broker {100 * x['redis_stack_busy']:.0f}% and {100 * x['amqp_stack_busy']:.0f}%)"
+            for fleet, x in drain_broker_ratios(result).items()]
+
+
 BURST_COLUMNS = [("segment", "segment", ""), ("backlog_before", "backlog before", ""),
                  ("backlog_after", "backlog after", ""), ("rps", "req/s", ".1f"), ("p50_ms", "p50 ms", ".1f"),
                  ("p99_ms", "p99 ms", ".1f"), ("errors", "errors", "")]
@@ -123,19 +168,52 @@ STEADY_E2E_RATIO_TARGET = 3.0       # end-to-end events/s against the compared r
 STEADY_E2E_RATIO_LEVELS = (8, 32)   # ...at these concurrencies
 STEADY_P99_TARGET_MS = 50.0         # ack p99 with the workers running...
 STEADY_P99_LEVEL = 32               # ...at this concurrency
-# The process types whose CPU is summed (in this order); the client is reported apart.
-STEADY_CPU_GROUPS = ("receiver", "worker parents", "worker pool children", "sweep", "Postgres", "Redis")
+# The process types whose CPU is summed (in this order); the client is reported apart. "broker" is the
+# broker's server: the private Redis, or RabbitMQ (the machine's server, other vhosts' traffic included).
+STEADY_CPU_GROUPS = ("receiver", "worker parents", "worker pool children", "sweep", "Postgres", "broker")
+BROKER_CPU_GROUPS = ("Redis", "RabbitMQ")
+BROKER_LABELS = {"redis": "Redis", "amqp": "RabbitMQ"}
+
+
+def group_cpu(run: dict[str, Any], group: str) -> float:
+    """A steady run's CPU ms per event of one process type ("broker": whichever broker it ran on)."""
+    if group == "broker":
+        return next((run["cpu_ms"][g] for g in BROKER_CPU_GROUPS if g in run["cpu_ms"]), 0.0)
+    return run["cpu_ms"].get(group, 0.0)
 
 
 def _met(ok: bool) -> str:
     return "met" if ok else "not met"
 
 
-def steady_sides(result: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(the current revision's runs, the compared revision's or None)."""
-    revs = result["revisions"]
+def steady_brokers(result: dict[str, Any]) -> list[str]:
+    """The brokers a steady result ran on, the first one (``revisions``' own) first."""
+    first = result.get("broker", "redis")
+    return [first, *(b for b in result.get("brokers") or {} if b != first)]
+
+
+def steady_revisions(result: dict[str, Any], broker: str | None = None) -> list[dict[str, Any]]:
+    if broker is None or broker == result.get("broker", "redis") or not result.get("brokers"):
+        return result["revisions"]
+    return result["brokers"][broker]["revisions"]
+
+
+def steady_sides(result: dict[str, Any], broker: str | None = None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the current revision's runs, the compared revision's or None), on ``broker`` (default: the first)."""
+    revs = steady_revisions(result, broker)
     current = next(r for r in revs if r["commit"] is None)
     return current, next((r for r in revs if r["commit"] is not None), None)
+
+
+def steady_peer(result: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """The sync engine's runs by concurrency (empty when it did not run)."""
+    found = result.get("peer") or {}
+    return {r["concurrency"]: r for r in found.get("runs") or []}
+
+
+def peer_ratio(run: dict[str, Any], peer_run: dict[str, Any] | None) -> float | None:
+    """Our end-to-end events/s over the sync engine's (acknowledged and applied) at the same level."""
+    return run["e2e_eps"] / peer_run["e2e_eps"] if peer_run and peer_run["e2e_eps"] else None
 
 
 def _by_level(side: dict[str, Any] | None) -> dict[int, dict[str, Any]]:
@@ -178,8 +256,10 @@ def steady_targets(result: dict[str, Any]) -> dict[str, tuple[str, str, bool]]:
     return out
 
 
-def steady_row(run: dict[str, Any], base: dict[str, Any] | None = None, *, targets: bool = True) -> dict[str, str]:
-    """One level of one revision as table cells, each target next to the number it applies to."""
+def steady_row(run: dict[str, Any], base: dict[str, Any] | None = None, *, targets: bool = True,
+               peer_run: dict[str, Any] | None = None) -> dict[str, str]:
+    """One level of one revision as table cells, each target next to the number it applies to; with
+    ``peer_run``, the sync engine's events/s and ack p99 at the same level and our ratio to it."""
     c = run["concurrency"]
     p99 = f"{run['ack_p99_ms']:.1f}"
     if targets and c == STEADY_P99_LEVEL:
@@ -193,9 +273,22 @@ def steady_row(run: dict[str, Any], base: dict[str, Any] | None = None, *, targe
     if targets:
         total += f" (target ≤ {STEADY_CPU_TARGET_MS}: {_met(steady_cpu_met(run))})"
     row = {"c": str(c), "ack req/s": f"{run['ack_rps']:.1f}", "ack p50 ms": f"{run['ack_p50_ms']:.1f}",
-           "ack p99 ms": p99, "end-to-end events/s": e2e, "seconds": f"{run['e2e_s']:.1f}",
-           "backlog at last ack": str(run["backlog_at_last_ack"])}
-    row.update({g: f"{run['cpu_ms'].get(g, 0.0):.2f}" for g in STEADY_CPU_GROUPS})
+           "ack p99 ms": p99, "end-to-end events/s": e2e}
+    if peer_run is not None:
+        ratio = peer_ratio(run, peer_run)
+        row["sync engine events/s"] = f"{peer_run['e2e_eps']:.1f}"
+        row["× sync engine"] = "-" if ratio is None else f"{ratio:.2f}" + (
+            f" ({_met(ratio >= PEER_E2E_RATIO_TARGET)})" if targets and c in PEER_E2E_LEVELS else "")
+        row["sync engine ack p99 ms"] = f"{peer_run['ack_p99_ms']:.1f}"
+        if targets and c == PEER_P99_LEVEL:
+            row["ack p99 ms"] += f" (≤ sync engine's: {_met(run['ack_p99_ms'] <= peer_run['ack_p99_ms'])})"
+    row.update({"seconds": f"{run['e2e_s']:.1f}", "backlog at last ack": str(run["backlog_at_last_ack"])})
+    if "deadlocks" in run:
+        row["deadlocks"] = f"{run['deadlocks']}" + (f" ({run['attempts_deadlocked']} attempts)"
+                                                   if run.get("attempts_deadlocked") else "")
+    if "busy" in run:
+        row["machine busy %"] = f"{100 * run['busy']:.0f}"
+    row.update({g: f"{group_cpu(run, g):.2f}" for g in STEADY_CPU_GROUPS})
     row["total"] = total
     row["client: wrk"] = f"{run['client_cpu_ms']['wrk']:.2f}"
     if "stripe_api" in run:  # a thin level: the workers' fetches, and the fake that answered them
@@ -209,13 +302,71 @@ def _cells(rows: list[dict[str, str]]) -> list[tuple[str, str, str]]:
     return [(k, k, "") for k in rows[0]] if rows else []
 
 
-def steady_table(result: dict[str, Any], *, markdown: bool = False, label: str | None = None) -> str:
-    """One revision's levels (the current one by default); CPU columns are ms per processed event."""
-    current, baseline = steady_sides(result)
-    side = next((r for r in result["revisions"] if r["label"] == label), current) if label else current
+def steady_table(result: dict[str, Any], *, markdown: bool = False, label: str | None = None,
+                 broker: str | None = None) -> str:
+    """One revision's levels (the current one by default) on ``broker`` (default: the first), next to
+    the sync engine when it ran; CPU columns are ms per processed event."""
+    current, baseline = steady_sides(result, broker)
+    revs = steady_revisions(result, broker)
+    side = next((r for r in revs if r["label"] == label), current) if label else current
     base = _by_level(baseline) if side is current else {}
-    rows = [steady_row(r, base.get(r["concurrency"]), targets=side is current) for r in side["runs"]]
+    peer_runs = steady_peer(result)
+    rows = [steady_row(r, base.get(r["concurrency"]), targets=side is current,
+                       peer_run=peer_runs.get(r["concurrency"]) if peer_runs else None) for r in side["runs"]]
     return (md_table if markdown else table)(rows, _cells(rows))
+
+
+# The issue's targets against the sync engine (issue 19), all of the current revision, on every broker.
+TARGETS_SOURCE = "issue 19"
+PEER_E2E_RATIO_TARGET = 1.0     # end-to-end events/s against the sync engine's...
+PEER_E2E_LEVELS = (8, 32)       # ...at these concurrencies
+PEER_P99_LEVEL = 32             # ack p99 ≤ the sync engine's at this concurrency
+DRAIN_BROKER_RATIO_TARGET = 0.9  # drain on Redis against drain on RabbitMQ...
+DRAIN_BUSY_TARGET = 0.9          # ...with the machine this busy while Redis drains
+RECEIVER_COST_TARGET = 1.3       # receiver CPU per request against the minimal WSGI app's
+
+
+def steady_side_by_side_rows(result: dict[str, Any]) -> list[dict[str, str]]:
+    """The opening table: per level, the sync engine and this project on each broker, and the ratio."""
+    peer_runs = steady_peer(result)
+    levels = result["levels"]
+    cols = lambda c: "1 connection" if c == 1 else f"{c} connections"  # noqa: E731
+    rows = []
+
+    def row(label: str, values: dict[int, str]) -> None:
+        rows.append({"": label, **{cols(c): values.get(c, "-") for c in levels}})
+    if peer_runs:
+        row("sync engine, acknowledged and applied (events/s)",
+            {c: f"{r['e2e_eps']:.0f}" for c, r in peer_runs.items()})
+        row("sync engine, ack p99 (ms)", {c: f"{r['ack_p99_ms']:.0f}" for c, r in peer_runs.items()})
+    for broker in steady_brokers(result):
+        name = BROKER_LABELS.get(broker, broker)
+        current, _ = steady_sides(result, broker)
+        runs = _by_level(current)
+        row(f"this project on {name}, processed end to end (events/s)",
+            {c: f"{r['e2e_eps']:.0f}" for c, r in runs.items()})
+        if peer_runs:
+            row(f"ratio to the sync engine ({name})",
+                {c: f"{peer_ratio(r, peer_runs.get(c)):.2f}" for c, r in runs.items() if peer_runs.get(c)})
+        row(f"this project on {name}, ack p99 (ms)", {c: f"{r['ack_p99_ms']:.0f}" for c, r in runs.items()})
+        row(f"this project on {name}, deadlocks detected", {c: str(r.get("deadlocks", "-")) for c, r in runs.items()})
+        row(f"this project on {name}, CPU ms per event (all processes)",
+            {c: f"{r['cpu_ms_total']:.2f}" for c, r in runs.items()})
+    if peer_runs:
+        row("sync engine, CPU ms per event (node and Postgres)",
+            {c: f"{r['cpu_ms_total']:.2f}" for c, r in peer_runs.items()})
+    return rows
+
+
+def steady_side_by_side(result: dict[str, Any], *, markdown: bool = False) -> str:
+    rows = steady_side_by_side_rows(result)
+    if not markdown:
+        return table(rows, _cells(rows))
+    cells = _cells(rows)
+    out = ["| " + " | ".join(h for _, h, _ in cells) + " |",
+           "|---|" + "|".join("---:" for _ in cells[1:]) + "|"]
+    out += ["| " + " | ".join(r[k] for k, _, _ in cells) + " |" for r in rows]
+    return "\n".join(out)
 
 
 # Rows of the before/after tables: (figure, value of a run, format).
@@ -223,7 +374,7 @@ STEADY_FIGURES = [("ack req/s", lambda r: r["ack_rps"], ".1f"), ("ack p50 ms", l
                   ("ack p99 ms", lambda r: r["ack_p99_ms"], ".1f"),
                   ("end-to-end events/s", lambda r: r["e2e_eps"], ".1f"),
                   ("backlog at the last ack", lambda r: r["backlog_at_last_ack"], ".0f")]
-STEADY_CPU_FIGURES = [(g, (lambda g: lambda r: r["cpu_ms"].get(g, 0.0))(g), ".2f") for g in STEADY_CPU_GROUPS] + [
+STEADY_CPU_FIGURES = [(g, (lambda g: lambda r: group_cpu(r, g))(g), ".2f") for g in STEADY_CPU_GROUPS] + [
     ("total", lambda r: r["cpu_ms_total"], ".2f"),
     ("client: wrk (not in the total)", lambda r: r["client_cpu_ms"]["wrk"], ".2f")]
 
@@ -340,18 +491,61 @@ def thin_fetch_lines(result: dict[str, Any]) -> list[str]:
     return out
 
 
+def steady_peer_rows(result: dict[str, Any]) -> list[dict[str, str]]:
+    """The sync engine's levels: acknowledged (and so applied) deliveries, CPU ms per event."""
+    rows = []
+    for c, r in steady_peer(result).items():
+        rows.append({"c": str(c), "ack req/s": f"{r['ack_rps']:.1f}", "ack p50 ms": f"{r['ack_p50_ms']:.1f}",
+                     "ack p99 ms": f"{r['ack_p99_ms']:.1f}", "acknowledged and applied events/s": f"{r['e2e_eps']:.1f}",
+                     "seconds": f"{r['e2e_s']:.1f}", "objects missing": str(r["objects_missing"]),
+                     "Stripe API calls": str(r["stripe_api_requests"]), "deadlocks": str(r["deadlocks"]),
+                     "machine busy %": f"{100 * r['busy']:.0f}",
+                     **{k: f"{v:.2f}" for k, v in r["cpu_ms"].items()}, "total": f"{r['cpu_ms_total']:.2f}",
+                     "client: wrk": f"{r['client_cpu_ms']['wrk']:.2f}", "errors": str(r["errors"])})
+    return rows
+
+
+def steady_peer_table(result: dict[str, Any], *, markdown: bool = False) -> str:
+    rows = steady_peer_rows(result)
+    return (md_table if markdown else table)(rows, _cells(rows))
+
+
 def steady_summary(result: dict[str, Any]) -> tuple[str, str]:
+    on = steady_brokers(result)
+    first = on[0]
+    peer_runs = steady_peer(result)
     current, baseline = steady_sides(result)
     base = _by_level(baseline)
-    parts = [f"current revision (CPU columns: ms per processed event; the client's apart)\n{steady_table(result)}"]
+    parts = []
     values: dict[str, Any] = {}
-    for r in current["runs"]:
-        c = r["concurrency"]
-        values.update({f"ack_rps_c{c}": r["ack_rps"], f"ack_p50_ms_c{c}": r["ack_p50_ms"],
-                       f"ack_p99_ms_c{c}": r["ack_p99_ms"], f"e2e_eps_c{c}": r["e2e_eps"],
-                       f"cpu_ms_c{c}": r["cpu_ms_total"]})
-        values.update({f"cpu_ms_{g.replace(' ', '_')}_c{c}": r["cpu_ms"].get(g, 0.0) for g in STEADY_CPU_GROUPS})
-        values[f"wrk_cpu_ms_c{c}"] = r["client_cpu_ms"]["wrk"]
+    if peer_runs or len(on) > 1:
+        parts.append("side by side" + (f" with {result['peer']['package']} (the same stream, the same run)"
+                                       if peer_runs else "") + f"\n{steady_side_by_side(result)}")
+    for broker in on:
+        name = BROKER_LABELS.get(broker, broker)
+        prefix = "" if broker == first else f"{broker}_"
+        mine, _ = steady_sides(result, broker)
+        parts.append(f"current revision on {name} (CPU columns: ms per processed event; the client's apart)\n"
+                     f"{steady_table(result, broker=broker)}")
+        for r in mine["runs"]:
+            c = r["concurrency"]
+            values.update({f"{prefix}ack_rps_c{c}": r["ack_rps"], f"{prefix}ack_p50_ms_c{c}": r["ack_p50_ms"],
+                           f"{prefix}ack_p99_ms_c{c}": r["ack_p99_ms"], f"{prefix}e2e_eps_c{c}": r["e2e_eps"],
+                           f"{prefix}cpu_ms_c{c}": r["cpu_ms_total"]})
+            if broker == first:
+                values.update({f"cpu_ms_{g.replace(' ', '_')}_c{c}": group_cpu(r, g) for g in STEADY_CPU_GROUPS})
+                values[f"wrk_cpu_ms_c{c}"] = r["client_cpu_ms"]["wrk"]
+            if "deadlocks" in r:
+                values[f"{prefix}deadlocks_c{c}"] = r["deadlocks"]
+            ratio = peer_ratio(r, peer_runs.get(c))
+            if ratio is not None:
+                values[f"{prefix}e2e_vs_peer_c{c}"] = ratio
+    if peer_runs:
+        parts.append(f"{result['peer']['package']} on Node {result['peer'].get('node', '?')}, the same stream "
+                     f"(acknowledged means applied; CPU: ms per event)\n{steady_peer_table(result)}")
+        for c, r in peer_runs.items():
+            values.update({f"peer_e2e_eps_c{c}": r["e2e_eps"], f"peer_ack_p99_ms_c{c}": r["ack_p99_ms"],
+                           f"peer_cpu_ms_c{c}": r["cpu_ms_total"]})
     top = current["runs"][-1]
     rows = steady_top_statements(top)
     if rows:
@@ -388,9 +582,12 @@ def steady_summary(result: dict[str, Any]) -> tuple[str, str]:
                 values[f"thin_e2e_ratio_c{c}"] = r["e2e_eps"] / snapshot[c]["e2e_eps"]
                 values[f"thin_cpu_ratio_c{c}"] = r["cpu_ms_total"] / snapshot[c]["cpu_ms_total"]
     targets = steady_targets(result)
-    parts.append("targets:\n" + "\n".join(f"  {t}: {what} -> {_met(ok)}" for t, what, ok in targets.values()))
-    values["errors"] = sum(r["errors"] for side in result["revisions"]
+    parts.append("targets of the earlier passes:\n"
+                 + "\n".join(f"  {t}: {what} -> {_met(ok)}" for t, what, ok in targets.values()))
+    values["errors"] = sum(r["errors"] for broker in on for side in steady_revisions(result, broker)
                            for runs in (side.get("payload_runs") or {"": side["runs"]}).values() for r in runs)
+    if peer_runs:
+        values["peer_errors"] = sum(r["errors"] for r in peer_runs.values())
     values.update({key: "met" if ok else "not_met" for key, (_, _, ok) in targets.items()})
     return "\n\n".join(parts), kv("steady", values)
 
@@ -430,12 +627,25 @@ def summary(name: str, result: dict[str, Any]) -> tuple[str, str]:
         return table(result["levels"], INGEST_COLUMNS), kv("ingest", values)
     if name == "drain":
         values = {}
-        for r in result["runs"]:
-            w = r["workers"]
-            values.update({f"events_per_s_w{w}": r["events_per_s"], f"pgbench_tps_w{w}": r["pgbench_tps"],
-                           f"drain_ratio_w{w}": r["drain_ratio"]})
-        values["errors"] = sum(r["errors"] for r in result["runs"])
-        return table(result["runs"], DRAIN_COLUMNS), kv("drain", values)
+        first = result.get("broker", "redis")
+        for fleet, per_broker in drain_fleets(result).items():
+            key = "readme" if not fleet.isdigit() else f"w{fleet}"
+            for broker, r in per_broker.items():
+                prefix = "" if broker == first else f"{broker}_"
+                values.update({f"{prefix}events_per_s_{key}": r["events_per_s"]})
+                if "busy" in r:
+                    values.update({f"{prefix}busy_{key}": r["busy"], f"{prefix}stack_busy_{key}": r["stack_busy"],
+                                   f"{prefix}deadlocks_{key}": r["deadlocks"]})
+                if broker == first:
+                    values.update({f"pgbench_tps_{key}": r["pgbench_tps"], f"drain_ratio_{key}": r["drain_ratio"]})
+        for fleet, x in drain_broker_ratios(result).items():
+            values[f"redis_vs_amqp_{'readme' if not fleet.isdigit() else 'w' + fleet}"] = x["ratio"]
+        values["errors"] = sum(r["errors"] for r in drain_rows(result))
+        text = table(drain_rows(result), DRAIN_COLUMNS)
+        lines = drain_ratio_lines(result)
+        if lines:
+            text += "\nRedis / RabbitMQ, same fleet, same backlog:\n" + "\n".join(f"  {line}" for line in lines)
+        return text, kv("drain", values)
     if name == "burst":
         text = table(result["segments"], BURST_COLUMNS) + (
             f"\nack all {result['deliveries']} deliveries: {result['ack_all_s']:.1f}s "
@@ -465,6 +675,11 @@ def summary(name: str, result: dict[str, Any]) -> tuple[str, str]:
                            "ack_rps_vs_no_workers": burst_ack_ratio(result),
                            "ack_within_10pct": "met" if burst_ack_target(result) else "not_met"})
         values["worker_nice"] = result.get("worker_nice", 0)
+        if "deadlocks" in result:
+            text += (f"\ndeadlocks detected (pg_stat_database): {result['deadlocks']}; attempts failed on one "
+                     f"(ledger.attempts): {result['attempts_deadlocked']}; worker log lines naming one: "
+                     f"{result['log_deadlocks']}")
+            values.update({k: result[k] for k in ("deadlocks", "attempts_deadlocked", "log_deadlocks")})
         return text, kv("burst", values)
     if name == "replay":
         rows = [{"run": "live ingest alone", "rps": result["live_rps_alone"], "p50": result["live_p50_ms_alone"],
@@ -546,6 +761,8 @@ def summary(name: str, result: dict[str, Any]) -> tuple[str, str]:
         return text, kv("cost", values)
     if name == "steady":
         return steady_summary(result)
+    if name == "receiver-cost":
+        return receiver_cost_summary(result)
     if name == "profile":
         parts = []
         for who in ("receiver", "worker"):
@@ -558,6 +775,137 @@ def summary(name: str, result: dict[str, Any]) -> tuple[str, str]:
                                                 "worker_samples": result["worker"]["profile"]["samples"],
                                                 "receiver_rps": result["receiver"]["rps"]})
     raise KeyError(name)
+
+
+# -- receiver-cost --------------------------------------------------------------------------------
+
+RECEIVER_COST_COLUMNS = [("server", "server", ""), ("requests", "deliveries", ""), ("rps", "req/s", ".1f"),
+                         ("p99_ms", "p99 ms", ".1f"), ("cpu_ms_per_request", "server CPU ms/request", ".3f"),
+                         ("postgres_cpu_ms_per_request", "Postgres CPU ms/request", ".3f"),
+                         ("redis_cpu_ms_per_request", "Redis CPU ms/request", ".3f"), ("errors", "errors", "")]
+
+
+def receiver_cost_met(result: dict[str, Any]) -> bool:
+    return result["ratio"] <= result.get("target", RECEIVER_COST_TARGET)
+
+
+def receiver_cost_summary(result: dict[str, Any]) -> tuple[str, str]:
+    rows = [{**result["receiver"], "server": "receiver (all runs)"},
+            {**result["minimal"], "server": "minimal WSGI (all runs)"}] if result["rounds"] > 1 else []
+    text = (table(result["runs"] + rows, RECEIVER_COST_COLUMNS)
+            + f"\nboth under {result['server']}, wrk at c={result['connections']}, {result['requests_per_run']:,} new "
+              f"deliveries per run, {result['rounds']} run(s) each, taking turns\nreceiver CPU per request / minimal "
+              f"WSGI app's: {result['ratio']:.2f}× (target ≤ {result.get('target', RECEIVER_COST_TARGET)}×: "
+              f"{_met(receiver_cost_met(result))})")
+    values = {"receiver_cpu_ms": result["receiver"]["cpu_ms_per_request"],
+              "minimal_cpu_ms": result["minimal"]["cpu_ms_per_request"], "ratio": result["ratio"],
+              "receiver_rps": result["receiver"]["rps"], "minimal_rps": result["minimal"]["rps"],
+              "errors": result["receiver"]["errors"] + result["minimal"]["errors"],
+              "within_1_3x": "met" if receiver_cost_met(result) else "not_met"}
+    return text, kv("receiver-cost", values)
+
+
+# -- the issue's targets, printed at the end of every run ------------------------------------------
+
+def issue_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target of issue 19 with what this run measured: ``met`` True/False, or None when the run
+    did not measure it (the scenario, the broker or the peer did not run)."""
+    out: list[dict[str, Any]] = []
+    steady = results.get("steady")
+    peer_runs = steady_peer(steady) if steady else {}
+    on = steady_brokers(steady) if steady else []
+
+    def add(key: str, target: str, measured: str, met: bool | None) -> None:
+        out.append({"key": key, "target": target, "measured": measured, "met": met})
+
+    for broker in BROKER_LABELS:
+        name = BROKER_LABELS[broker]
+        target = (f"end-to-end events/s at {' and '.join(map(str, PEER_E2E_LEVELS))} connections ≥ "
+                  f"{PEER_E2E_RATIO_TARGET:.1f}× the sync engine's, on {name}")
+        if broker not in on or not peer_runs:
+            add(f"e2e_vs_peer_{broker}", target, "not measured: run steady" + (f" --broker {broker}|both"
+                if steady and broker not in on else "") + ("" if peer_runs or not steady else " with the peer"), None)
+            continue
+        runs = _by_level(steady_sides(steady, broker)[0])
+        levels = [c for c in PEER_E2E_LEVELS if c in runs and c in peer_runs]
+        ratios = {c: peer_ratio(runs[c], peer_runs[c]) or 0.0 for c in levels}
+        add(f"e2e_vs_peer_{broker}", target,
+            ", ".join(f"c={c}: {runs[c]['e2e_eps']:.1f} vs {peer_runs[c]['e2e_eps']:.1f} = {v:.2f}×"
+                      for c, v in ratios.items()) or "levels 8 and 32 not run",
+            all(v >= PEER_E2E_RATIO_TARGET for v in ratios.values()) if ratios else None)
+
+    drain = results.get("drain")
+    target = (f"drain on Redis ≥ {DRAIN_BROKER_RATIO_TARGET}× drain on RabbitMQ (README's pools, same backlog), "
+              f"the machine ≥ {100 * DRAIN_BUSY_TARGET:.0f}% busy while Redis drains")
+    ratios = drain_broker_ratios(drain) if drain else {}
+    readme = next((x for fleet, x in ratios.items() if not fleet.isdigit()), None)
+    if readme is None:
+        add("drain_redis_vs_amqp", target, "not measured: run drain --broker both", None)
+    else:
+        add("drain_redis_vs_amqp", target,
+            f"Redis {readme['redis_eps']:.1f} vs RabbitMQ {readme['amqp_eps']:.1f} events/s = {readme['ratio']:.2f}×; "
+            f"machine busy {100 * readme['redis_busy']:.0f}% while Redis drains ({100 * readme['amqp_busy']:.0f}% on "
+            f"RabbitMQ; workers, Postgres and broker alone {100 * readme['redis_stack_busy']:.0f}% and "
+            f"{100 * readme['amqp_stack_busy']:.0f}%)",
+            readme["ratio"] >= DRAIN_BROKER_RATIO_TARGET and readme["redis_busy"] >= DRAIN_BUSY_TARGET)
+
+    counts, parts = [], []
+    if steady:
+        for broker in on:
+            runs = [r for r in steady_sides(steady, broker)[0]["runs"] if "deadlocks" in r]
+            if runs:
+                counts += [r["deadlocks"] for r in runs]
+                parts.append(f"steady on {BROKER_LABELS.get(broker, broker)}: "
+                             + ", ".join(f"c={r['concurrency']} {r['deadlocks']}" for r in runs))
+    burst = results.get("burst")
+    if burst and "deadlocks" in burst:
+        counts.append(burst["deadlocks"])
+        parts.append(f"burst: {burst['deadlocks']}")
+    if drain:
+        found = [r for r in drain_rows(drain) if "deadlocks" in r]
+        if found:
+            parts.append("drain (not a target): " + ", ".join(
+                f"{r['workers']} on {r['broker_label']} {r['deadlocks']}" for r in found))
+    missing = [n for n, ran in (("steady", bool(steady)), ("burst", bool(burst))) if not ran]
+    add("no_deadlocks", "0 DeadlockDetected in the steady and burst runs (pg_stat_database.deadlocks)",
+        "; ".join(parts) + (f" ({' and '.join(missing)} not run)" if missing and parts else "")
+        if parts else "not measured: run steady and burst", (sum(counts) == 0) if counts else None)
+
+    for broker in BROKER_LABELS:
+        name = BROKER_LABELS[broker]
+        target = f"ack p99 at {PEER_P99_LEVEL} connections, workers running, ≤ the sync engine's p99, on {name}"
+        runs = _by_level(steady_sides(steady, broker)[0]) if steady and broker in on else {}
+        if PEER_P99_LEVEL not in runs or PEER_P99_LEVEL not in peer_runs:
+            add(f"p99_vs_peer_{broker}", target, "not measured: run steady" + (f" --broker {broker}|both"
+                if steady and broker not in on else "") + " with the peer at 32 connections", None)
+            continue
+        ours, theirs = runs[PEER_P99_LEVEL]["ack_p99_ms"], peer_runs[PEER_P99_LEVEL]["ack_p99_ms"]
+        add(f"p99_vs_peer_{broker}", target, f"{ours:.1f} vs {theirs:.1f} ms", ours <= theirs)
+
+    cost = results.get("receiver-cost")
+    target = f"receiver CPU per request ≤ {RECEIVER_COST_TARGET}× a minimal WSGI app's doing the same I/O"
+    if not cost:
+        add("receiver_cpu", target, "not measured: run receiver-cost", None)
+    else:
+        add("receiver_cpu", target, f"{cost['receiver']['cpu_ms_per_request']:.3f} vs "
+            f"{cost['minimal']['cpu_ms_per_request']:.3f} ms = {cost['ratio']:.2f}×", receiver_cost_met(cost))
+    return out
+
+
+def _verdict(met: bool | None) -> str:
+    return "-" if met is None else "PASS" if met else "FAIL"
+
+
+def targets_table(targets: list[dict[str, Any]], *, markdown: bool = False) -> str:
+    rows = [{"target": t["target"], "measured": t["measured"], "": _verdict(t["met"])} for t in targets]
+    columns = [("target", "target", ""), ("measured", "measured", ""), ("", "", "")]
+    if markdown:
+        return md_table(rows, columns)
+    return "\n".join(f"{_verdict(t['met']):>4}  {t['target']}\n      {t['measured']}" for t in targets)
+
+
+def targets_summary(targets: list[dict[str, Any]]) -> str:
+    return kv("targets", {t["key"]: _verdict(t["met"]) for t in targets})
 
 
 # -- py-spy --------------------------------------------------------------------------------------

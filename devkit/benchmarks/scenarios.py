@@ -1,4 +1,4 @@
-"""The scenarios: ingest, drain, burst, replay, scale, cost (and profile).
+"""The scenarios: ingest, drain, burst, replay, scale, cost, receiver-cost, steady (and profile).
 
 Each scenario returns a JSON-able dict; ``report`` turns those into tables and
 one-line summaries. Every throughput is measured next to pgbench running the
@@ -7,7 +7,9 @@ same statements against the same database, in the same run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import os
 import random
 import resource
 import statistics
@@ -22,23 +24,26 @@ import psycopg
 from psycopg import sql as pg_sql
 
 from devkit.procs import Cleanup, cpu_seconds, venv_tool
-from devkit.servers import PrivateRedis
+from devkit.servers import PrivateRedis, RabbitVhost
 from devkit.sql import SQL, compose
 from devkit.stack import DEFAULT_RECEIVER_SERVER, Checkout, Receiver
 from devkit.stripe_api import DEFAULT_API_KEY, FakeStripe, FakeStripeProcess
 from ledger.migrate import migrate
 from ledger.config import Settings
 from ledger.queries import SQL as LEDGER_SQL
+from ledger.queries import load
 
-from . import payloads, report, revisions
+from . import brokers, payloads, peer, report, revisions
 from .loadgen import Wrk
 from .payloads import SignedDelivery
 from .pg import BenchDatabase, run_pgbench, url_parts
 from .revisions import Revision
-from .stack import ProcessWatch, Stack, WorkerFleet, bench_postgres, wire_segments
-from .workload import (BacklogEvent, DrainScript, EventSource, drop_queue, history_sql, ingest_scripts, load_received,
-                       push_wakeups, redis_commands)
+from .stack import MachineCpu, ProcessWatch, Stack, WorkerFleet, bench_postgres, wire_segments
+from .workload import (BacklogEvent, DrainScript, EventSource, history_sql, ingest_scripts, load_received,
+                       wakeup_template)
 
+# The benchmark's own counters (counters.sql): deadlocks, deadlocked attempts, backends.
+COUNTERS = load("devkit.benchmarks")
 SECRET = "whsec_bench_0123456789abcdefghij"
 # The event destination's secret (thin notifications, /webhooks/stripe/thin): a list of its own.
 THIN_SECRET = "whsec_bench_thin_0123456789abcdef"
@@ -66,7 +71,7 @@ class Options:
     # The receiver's WSGI server (devkit.stack.RECEIVER_SERVERS; --receiver), its worker processes
     # and threads per worker (None: the server's own default, devkit.stack.DEFAULT_THREADS).
     receiver_server: str = DEFAULT_RECEIVER_SERVER
-    receiver_workers: int = 4
+    receiver_workers: int = 2
     receiver_threads: int | None = None
     # Nice level of the burst's workers (--burst-worker-nice): a way to let acknowledgements
     # win the CPU on a host shared with the receiver; 0, as deployed by default.
@@ -86,6 +91,16 @@ class Options:
     fetch_concurrency: int | None = None
     # --compare REV: that revision's product measured beside this checkout's (revisions.py).
     compare: str | None = None
+    # --broker: the brokers the stack runs on (brokers.py), the first one for every scenario; steady
+    # and drain run once per broker.
+    brokers: tuple[str, ...] = ("redis",)
+    # steady: Stripe's sync engine (peer/) fed the same stream at each level (--no-peer: not; None:
+    # when node and npm are on PATH).
+    peer: bool | None = None
+    # receiver-cost: deliveries per measured run, runs per server (taking turns), connections.
+    receiver_cost_requests: int = 4_000
+    receiver_cost_rounds: int = 2
+    receiver_cost_connections: int = 8
     out_dir: Path = field(default_factory=lambda: Path("/tmp"))
 
     @classmethod
@@ -94,7 +109,7 @@ class Options:
             base = cls(quick=True, levels=(1, 8, 32, 64), worker_counts=(1, 2, 4), ingest_s=1.5,
                        drain_events=4_000, drain_s=4.0, drain_warmup_s=1.0, drain_pgbench_s=2.0,
                        burst_events=1_000, replay_events=1_000, history_events=50_000, steady_events=600,
-                       out_dir=out_dir)
+                       receiver_cost_requests=1_500, receiver_cost_rounds=1, out_dir=out_dir)
         else:
             base = cls(out_dir=out_dir)
         for key, value in overrides.items():
@@ -145,10 +160,16 @@ class Bench:
         self.sides: list[Side] = []
         self.side: Side | None = None
         self._unstarted: dict[str, Any] = {}  # the results of a run stopped before its database existed
+        self.rabbit: RabbitVhost | None = None
+        self.broker = opts.brokers[0]  # the broker every process of the stack is started on now
+        self._peer_home: Path | None = None
 
     # -- set-up ----------------------------------------------------------------------------
     def start(self) -> "Bench":
         baseline = None
+        if "amqp" in self.opts.brokers and not RabbitVhost.available():
+            raise RuntimeError("--broker amqp|both: no RabbitMQ answers on 127.0.0.1:5672, or rabbitmqctl cannot "
+                               "manage it (Debian: apt-get install rabbitmq-server)")
         if self.opts.compare:  # first: a revision that cannot be installed fails the run before anything starts
             baseline = revisions.prepare(self.opts.compare, self.work, self.cleanup, log)
         log("starting a private PostgreSQL and Redis")
@@ -158,14 +179,103 @@ class Bench:
         self.redis = PrivateRedis(self.work / "redis.log")
         self.cleanup.add("private redis", lambda: self.redis.stop(grace_s=5))
         self.redis.start()
+        if "amqp" in self.opts.brokers:
+            self.rabbit = RabbitVhost(f"ledger-bench-{os.getpid()}")
+            log(f"creating the RabbitMQ vhost {self.rabbit.name} (rabbitmqctl)")
+            self.cleanup.add("RabbitMQ vhost", self.rabbit.drop)
+            self.rabbit.create()
         if baseline is not None:
             log(f"migrating the database of {baseline.label} with its own ledgerctl migrate")
             self.sides.append(self._side(baseline, f"ledger_bench_{baseline.label}",
                                          lambda url: baseline.migrate(url, self.redis.url)))
         self.side = self._side(revisions.current(), "ledger_bench", migrate)
         self.sides.append(self.side)
+        self._set_broker(self.broker)
         self.wrk = Wrk(self.work)
         return self
+
+    # -- brokers ---------------------------------------------------------------------------
+    def broker_url_of(self, broker: str) -> str:
+        if broker == "redis":
+            return self.redis.url
+        if self.rabbit is None:
+            raise RuntimeError("no RabbitMQ vhost: run with --broker amqp or both")
+        return self.rabbit.url
+
+    @property
+    def broker_url(self) -> str:
+        return self.broker_url_of(self.broker)
+
+    @property
+    def broker_label(self) -> str:
+        return brokers.LABELS[self.broker]
+
+    def _set_broker(self, broker: str) -> None:
+        url = self.broker_url_of(broker)
+        for side in self.sides:
+            side.env["CELERY_BROKER_URL"] = url
+            side.settings = dataclasses.replace(side.settings, broker_url=url)
+        self.broker = broker
+
+    @contextlib.contextmanager
+    def using_broker(self, broker: str):
+        """Run what follows with every process of the stack on ``broker`` (its queue emptied before and after)."""
+        previous = self.broker
+        if broker != previous:
+            self.stop_receiver()
+            self.drop_queue()
+            self._set_broker(broker)
+        try:
+            yield broker
+        finally:
+            if broker != previous:
+                self.stop_receiver()
+                self.drop_queue()
+                self._set_broker(previous)
+
+    def drop_queue(self) -> None:
+        brokers.purge(self.broker, self.broker_url, QUEUE)
+
+    def push_wakeups(self, event_ids: list[str]) -> None:
+        brokers.push_wakeups(self.broker, self.broker_url, QUEUE, event_ids)
+
+    def broker_commands(self) -> dict[str, int]:
+        return brokers.commands(self.broker, self.broker_url)
+
+    def broker_group(self) -> dict[str, list[int]]:
+        """The broker's server process, by its label, for the CPU tables."""
+        if self.broker == "redis":
+            return {"Redis": [self.redis.pid]}
+        pid = brokers.rabbitmq_pid()
+        return {"RabbitMQ": [pid] if pid else []}
+
+    # -- deadlocks -------------------------------------------------------------------------
+    def deadlocks(self, *databases: str) -> int:
+        """pg_stat_database.deadlocks of these databases (default: every side's) so far."""
+        names = list(databases) or [s.db.name for s in self.sides]
+        self.db.q(SQL.bench_stats_clear_snapshot)
+        return int(self.db.one(COUNTERS.bench_deadlocks, {"databases": names}))
+
+    def wait_backends_gone(self, application_name: str, timeout_s: float = 10.0) -> None:
+        """Until the backends of ``application_name`` have exited (and published their counters)."""
+        deadline = time.monotonic() + timeout_s
+        while self.db.one(COUNTERS.bench_backends_of, {"application_name": application_name}):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+
+    def attempts_deadlocked(self, ids: list[str]) -> int:
+        return int(self.db.one(COUNTERS.bench_attempts_deadlocked, {"ids": ids}))
+
+    # -- the peer --------------------------------------------------------------------------
+    def peer_home(self) -> Path:
+        """The sync engine installed in its cache directory (installed at the first call)."""
+        if self._peer_home is None:
+            missing = peer.available()
+            if missing:
+                raise RuntimeError(f"the peer (Stripe's sync engine) needs Node: {missing}; or run with --no-peer")
+            self._peer_home = peer.install(log)
+        return self._peer_home
 
     def _side(self, revision: Revision, database: str, migrate_with) -> Side:
         db = BenchDatabase(self.pg.url_for, name=database).create(migrate_with)
@@ -212,7 +322,7 @@ class Bench:
         previous = self.side
         if side is not previous:
             self.stop_receiver()
-            drop_queue(self.redis.url, QUEUE)
+            self.drop_queue()
         self.side = side
         try:
             yield side
@@ -266,10 +376,15 @@ class Bench:
             self._templates = payloads.ingest_templates(lifecycle_count=4)
         return self._templates
 
+    def readme_fleet(self):
+        """The pools README runs: 2 ``celery -A workers worker --concurrency 2`` (steady's)."""
+        return self.fleet(README_POOLS["workers"], label="readme", concurrency=README_POOLS["concurrency"],
+                          readme=True)
+
     @contextlib.contextmanager
-    def fleet(self, count: int, label: str = "w", nice: int = 0):
+    def fleet(self, count: int, label: str = "w", nice: int = 0, *, concurrency: int = 1, readme: bool = False):
         fleet = WorkerFleet(self.env, self.work, count=count, queue=QUEUE, label=label, nice=nice,
-                            checkout=self.checkout)
+                            concurrency=concurrency, readme=readme, checkout=self.checkout)
         self.cleanup.add(f"{count} workers", fleet.stop)
         try:
             fleet.start()
@@ -290,7 +405,7 @@ class Bench:
     # -- state -----------------------------------------------------------------------------
     def clear(self) -> None:
         """Empty ledger: truncate everything. With history: delete what is not history (unfinished rows)."""
-        drop_queue(self.redis.url, QUEUE)
+        self.drop_queue()
         if self.label == "empty":
             self.db.reset()
         else:
@@ -346,7 +461,7 @@ class Meter:
         db.reset_statements()
         self.x0 = db.xact_commits()
         self.m0 = db.monitor_statements
-        self.r0 = redis_commands(self.b.redis.url)
+        self.r0 = self.b.broker_commands()
 
     def _wire(self) -> dict[tuple[int, int], tuple[int, int]]:
         return wire_segments([pid for pids in self.watch.groups().values() for pid in pids], self.b.pg.port)
@@ -370,7 +485,7 @@ class Meter:
     def finish(self, anchor: str) -> dict[str, Any]:
         db = self.b.db
         statements = db.statements()
-        r1 = redis_commands(self.b.redis.url)
+        r1 = self.b.broker_commands()
         monitor = db.monitor_statements - self.m0
         xacts = db.xact_commits() - self.x0 - monitor - 1  # minus the benchmark's own reads
         redis = {k: v - self.r0.get(k, 0) for k, v in r1.items() if k != "info" and v - self.r0.get(k, 0)}
@@ -438,7 +553,7 @@ def ingest(b: Bench) -> dict[str, Any]:
             cost = meter.finish("event_record_delivery")
             b.results.setdefault("_meters", {}).setdefault(b.label, {})["cost_receiver"] = cost
         recorded = b.db.unfinished() - before
-        drop_queue(b.redis.url, QUEUE)
+        b.drop_queue()
         estimate = max(estimate, r.rps)
         pgb = run_pgbench(b.pg_parts, scripts, c, seconds=opts.ingest_s, defines=defines, log_dir=b.work)
         row = {"concurrency": c, "requests": r.requests, "recorded": recorded, "rps": r.rps,
@@ -476,77 +591,141 @@ def _run_stats(b: Bench, ids: list[str]) -> dict[str, Any]:
             "first_received": float(first_received or 0)}
 
 
-def drain(b: Bench) -> dict[str, Any]:
-    """Workers on a 20,000-event backlog, then pgbench on a fresh copy of it, per worker count.
+# The pools README runs (steady's): 2 `celery -A workers worker --concurrency 2`, 4 pool processes.
+README_POOLS = {"workers": 2, "concurrency": 2}
+README_POOLS_LABEL = "2×2 (README)"
 
-    The rate is taken over a window (``drain_s``) once every worker is up, with the
-    whole backlog in place; ``--full-drain`` drains it to the end instead.
-    """
+
+def _drain_workers(b: Bench, n_events: int, workers: int, *, readme: bool) -> dict[str, Any]:
+    """One drain on the active broker: a fresh backlog (rows and wake-ups in place), then the workers;
+    the rate and the machine's busy share over the window (or the whole drain with --full-drain)."""
     opts = b.opts
-    n_events = opts.drain_events
-    runs = []
-    for workers in opts.worker_counts:
-        events = b.fresh_backlog(n_events)
-        ids = [e.id for e in events]
-        load_received(b.db.url, events)
-        push_wakeups(b.redis.url, QUEUE, ids)
-        log(f"drain [{b.label}]: {n_events:,} received events, {workers} worker process(es)")
-        done = lambda: n_events - b.db.unfinished()  # noqa: E731
-        metered = workers == 1 and "cost_worker" not in b.results.get("_meters", {}).get(b.label, {})
-        meter = None
-        if metered:
-            holder: dict = {}
-            meter = Meter(b, lambda: holder["fleet"].pids())
-            meter.begin_sql()  # before any worker exists: its counters start from zero
-        with b.fleet(workers) as fleet:
-            if meter:
-                holder["fleet"] = fleet
-            time.sleep(opts.drain_warmup_s)
-            if meter:
-                meter.begin_cpu(done)
-            p0, t0 = done(), time.monotonic()
-            if opts.full_drain:
-                _wait_drained(b, n_events, timeout_s=max(600, n_events / 5))
-            else:
-                time.sleep(opts.drain_s)
-            p1, t1 = done(), time.monotonic()
-            if meter:
-                meter.end_cpu(done)
-        if meter:  # the workers have exited: their counters are published
-            b.results.setdefault("_meters", {}).setdefault(b.label, {})["cost_worker"] = \
-                meter.finish("event_finish_if_lease_held")
-        failed = b.db.one(SQL.bench_events_failed_count, {"ids": ids})
-        eps = (p1 - p0) / (t1 - t0)
-
-        # The limit: pgbench sending the same statements, for a fresh copy of the backlog.
-        limit_events = b.fresh_backlog(n_events)
-        load_received(b.db.url, limit_events)
-        script = DrainScript(limit_events)
-        script.load(b.db.url)
-        path = b.work / "drain.sql"
-        path.write_text(script.text())
-        defines = {"i": "0", "nclients": str(workers), "lease_s": "120"}
+    events = b.fresh_backlog(n_events)
+    ids = [e.id for e in events]
+    load_received(b.db.url, events)
+    b.push_wakeups(ids)
+    what = (f"{README_POOLS['workers']} README workers (--concurrency {README_POOLS['concurrency']})" if readme
+            else f"{workers} worker process(es)")
+    log(f"drain [{b.label}, {b.broker_label}]: {n_events:,} received events, {what}")
+    done = lambda: n_events - b.db.unfinished()  # noqa: E731
+    metered = (not readme and workers == 1 and b.broker == b.opts.brokers[0]
+               and "cost_worker" not in b.results.get("_meters", {}).get(b.label, {}))
+    meter = None
+    if metered:
+        holder: dict = {}
+        meter = Meter(b, lambda: holder["fleet"].pids())
+        meter.begin_sql()  # before any worker exists: its counters start from zero
+    deadlocks0 = b.deadlocks()
+    machine = MachineCpu()
+    fleet_of = b.readme_fleet() if readme else b.fleet(workers)
+    with fleet_of as fleet:
+        if meter:
+            holder["fleet"] = fleet
+        time.sleep(opts.drain_warmup_s)
+        if meter:
+            meter.begin_cpu(done)
+        # Ours, beside the machine's: the workers', Postgres' and the broker's CPU over the window.
+        ours = ProcessWatch(lambda: {**fleet.pids(), **b.broker_group()})
+        ours.begin()
+        pg0 = b.pg.cpu_s()
+        p0, t0 = done(), time.monotonic()
+        machine.begin()
         if opts.full_drain:
-            pgb = run_pgbench(b.pg_parts, [path], workers, transactions_per_client=n_events // workers,
-                              defines=defines, log_dir=b.work)
+            _wait_drained(b, n_events, timeout_s=max(600, n_events / 5))
         else:
-            pgb = run_pgbench(b.pg_parts, [path], workers, seconds=opts.drain_pgbench_s, defines=defines,
-                              log_dir=b.work)
-        limit_done = b.db.one(SQL.bench_events_processed_count, {"ids": [e.id for e in limit_events]})
-        run = {"workers": workers, "events": n_events, "processed": p1 - p0, "errors": failed,
-               "seconds": t1 - t0, "events_per_s": eps, "pgbench_tps": pgb.tps, "pgbench_processed": limit_done,
-               "pgbench_failed": pgb.failed, "pgbench_statements_per_event": script.statements_per_event(),
-               "drain_ratio": eps / pgb.tps if pgb.tps else 0.0}
-        runs.append(run)
-        log(f"  workers={workers} {eps:8.1f} events/s ({p1 - p0} in {t1 - t0:.1f}s) errors {failed} | pgbench "
-            f"{pgb.tps:8.1f} tps ({limit_done} processed) | ratio {run['drain_ratio']:.3f}")
-    b.clear()
+            time.sleep(opts.drain_s)
+        p1, t1 = done(), time.monotonic()
+        cpu = machine.end()
+        stack_cpu = {**ours.cpu_s(), "Postgres": b.pg.cpu_s() - pg0}
+        if meter:
+            meter.end_cpu(done)
+        log_deadlocks = fleet.log_mentions("DeadlockDetected")
+    b.wait_backends_gone("worker")
+    if meter:  # the workers have exited: their counters are published
+        b.results.setdefault("_meters", {}).setdefault(b.label, {})["cost_worker"] = \
+            meter.finish("event_finish_if_lease_held")
+    failed = b.db.one(SQL.bench_events_failed_count, {"ids": ids})
+    eps = (p1 - p0) / (t1 - t0)
+    run = {"workers": README_POOLS_LABEL if readme else workers, "broker": b.broker,
+           "processes": README_POOLS["workers"] * README_POOLS["concurrency"] if readme else workers,
+           "events": n_events, "processed": p1 - p0, "errors": failed, "seconds": t1 - t0, "events_per_s": eps,
+           "busy": cpu["busy"], "iowait": cpu["iowait"],
+           "stack_busy": sum(stack_cpu.values()) / ((t1 - t0) * (os.cpu_count() or 1)),
+           "cpu_ms_per_event": {k: 1000 * v / max(p1 - p0, 1) for k, v in stack_cpu.items()},
+           "deadlocks": b.deadlocks() - deadlocks0, "attempts_deadlocked": b.attempts_deadlocked(ids),
+           "log_deadlocks": log_deadlocks, "mix": _mix(events)}
+    log(f"  {b.broker_label}: {eps:8.1f} events/s ({p1 - p0} in {t1 - t0:.1f}s), machine {100 * cpu['busy']:.0f}% "
+        f"busy (iowait {100 * cpu['iowait']:.0f}%; workers, Postgres and broker {100 * run['stack_busy']:.0f}%), "
+        f"deadlocks {run['deadlocks']} (attempts "
+        f"{run['attempts_deadlocked']}), errors {failed}")
+    return run
+
+
+def _mix(events: list[BacklogEvent]) -> dict[str, int]:
     mix: dict[str, int] = {}
     for e in events:
         mix[e.type] = mix.get(e.type, 0) + 1
-    return {"runs": runs, "events": n_events, "mix": mix, "full_drain": opts.full_drain,
+    return mix
+
+
+def _drain_limit(b: Bench, n_events: int, clients: int) -> dict[str, Any]:
+    """pgbench sending the workers' statements for a fresh copy of the backlog, ``clients`` at once."""
+    opts = b.opts
+    limit_events = b.fresh_backlog(n_events)
+    load_received(b.db.url, limit_events)
+    script = DrainScript(limit_events)
+    script.load(b.db.url)
+    path = b.work / "drain.sql"
+    path.write_text(script.text())
+    defines = {"i": "0", "nclients": str(clients), "lease_s": "120"}
+    if opts.full_drain:
+        pgb = run_pgbench(b.pg_parts, [path], clients, transactions_per_client=n_events // clients,
+                          defines=defines, log_dir=b.work)
+    else:
+        pgb = run_pgbench(b.pg_parts, [path], clients, seconds=opts.drain_pgbench_s, defines=defines,
+                          log_dir=b.work)
+    limit_done = b.db.one(SQL.bench_events_processed_count, {"ids": [e.id for e in limit_events]})
+    log(f"  pgbench, {clients} client(s): {pgb.tps:8.1f} tps ({limit_done} processed)")
+    return {"pgbench_tps": pgb.tps, "pgbench_processed": limit_done, "pgbench_failed": pgb.failed,
+            "pgbench_statements_per_event": script.statements_per_event()}
+
+
+def drain(b: Bench) -> dict[str, Any]:
+    """Workers on a 20,000-event backlog, then pgbench on a fresh copy of it, per worker count; then the
+    pools README runs (2 workers of 2 pool processes). Each fleet drains once per broker (--broker),
+    taking turns; pgbench once per fleet.
+
+    The rate is taken over a window (``drain_s``) once every worker is up, with the
+    whole backlog in place; ``--full-drain`` drains it to the end instead. Over the same
+    window: the machine's busy share (/proc/stat), and the deadlocks Postgres detected.
+    """
+    opts = b.opts
+    n_events = opts.drain_events
+    by_broker: dict[str, dict[str, Any]] = {br: {"runs": [], "readme": None} for br in opts.brokers}
+    fleets = [(w, False) for w in opts.worker_counts] + [(README_POOLS["workers"], True)]
+    mix: dict[str, int] = {}
+    for workers, readme in fleets:
+        per_broker = {}
+        for broker in opts.brokers:
+            with b.using_broker(broker):
+                per_broker[broker] = _drain_workers(b, n_events, workers, readme=readme)
+        clients = README_POOLS["workers"] * README_POOLS["concurrency"] if readme else workers
+        limit = _drain_limit(b, n_events, clients)
+        for broker, run in per_broker.items():
+            mix = run.pop("mix")
+            run.update(limit)
+            run["drain_ratio"] = run["events_per_s"] / limit["pgbench_tps"] if limit["pgbench_tps"] else 0.0
+            if readme:
+                by_broker[broker]["readme"] = run
+            else:
+                by_broker[broker]["runs"].append(run)
+    b.clear()
+    first = opts.brokers[0]
+    sample = b.source.backlog(min(n_events, 1000))
+    return {"runs": by_broker[first]["runs"], "readme": by_broker[first]["readme"], "broker": first,
+            "brokers": by_broker, "events": n_events, "mix": mix, "full_drain": opts.full_drain,
             "window_s": opts.drain_s, "pgbench_window_s": opts.drain_pgbench_s,
-            "payload": payloads.size_stats(e.body for e in events)}
+            "readme_pools": README_POOLS, "payload": payloads.size_stats(e.body for e in sample)}
 
 
 # -- burst --------------------------------------------------------------------------------------
@@ -608,7 +787,7 @@ def _ack_vs_backlog(b: Bench, rc: Receiver) -> dict[str, Any]:
         if backlog:
             events = b.source.backlog(backlog)
             load_received(b.db.url, events)
-            push_wakeups(b.redis.url, QUEUE, [e.id for e in events])
+            b.push_wakeups([e.id for e in events])
         r = b.wrk.run(rc.port, b.deliveries(b.templates, int(600 * seconds), seed=40 + backlog % 7),
                       b.opts.burst_connections, max_duration_s=seconds)
         out[name] = {"backlog": backlog, "rps": r.rps, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "errors": r.errors}
@@ -630,7 +809,8 @@ def burst(b: Bench) -> dict[str, Any]:
     size = len(deliveries) // segments
     log(f"burst: {len(deliveries)} deliveries at c={opts.burst_connections} while 2 workers run"
         f" (nice {opts.burst_worker_nice})")
-    with b.fleet(2, label="burst", nice=opts.burst_worker_nice):
+    deadlocks0 = b.deadlocks()
+    with b.fleet(2, label="burst", nice=opts.burst_worker_nice) as fleet:
         poller = _Poller(b.db.monitor_url)
         poller.start()
         try:
@@ -653,6 +833,10 @@ def burst(b: Bench) -> dict[str, Any]:
             _wait_drained(b, len(events), timeout_s=max(300, len(events) / 10))
         finally:
             poller.stop()
+        log_deadlocks = fleet.log_mentions("DeadlockDetected")
+    b.wait_backends_gone("worker")
+    deadlocks = {"deadlocks": b.deadlocks() - deadlocks0,
+                 "attempts_deadlocked": b.attempts_deadlocked([e.id for e in events]), "log_deadlocks": log_deadlocks}
     stats = _run_stats(b, [e.id for e in events])
     control = _ack_vs_backlog(b, rc)
     depth_mid = [(r["backlog_before"] + r["backlog_after"]) / 2 for r in rows]
@@ -678,10 +862,11 @@ def burst(b: Bench) -> dict[str, Any]:
         "p99_ms_low_backlog": statistics.median(r["p99_ms"] for r in low) if low else 0,
         "p99_ms_high_backlog": statistics.median(r["p99_ms"] for r in high) if high else 0,
         "timeline": [(t - started, depth, age) for t, depth, age in poller.samples],
-        "control": control,
+        "control": control, "broker": b.broker, **deadlocks,
     }
     log(f"  acked all in {result['ack_all_s']:.1f}s, processed all in {result['processed_all_s']:.1f}s, "
-        f"peak oldest unprocessed {result['peak_oldest_unprocessed_s']:.1f}s, peak backlog {result['peak_backlog']}")
+        f"peak oldest unprocessed {result['peak_oldest_unprocessed_s']:.1f}s, peak backlog {result['peak_backlog']}, "
+        f"deadlocks {result['deadlocks']} (attempts {result['attempts_deadlocked']})")
     b.clear()
     return result
 
@@ -699,7 +884,7 @@ def replay(b: Bench) -> dict[str, Any]:
     log(f"replay: live ingest alone (c=8, {opts.ingest_s:.0f}s)")
     base = b.wrk.run(rc.port, b.deliveries(templates, 40_000 if not opts.quick else 8_000, seed=21), 8,
                      max_duration_s=opts.ingest_s)
-    drop_queue(b.redis.url, QUEUE)
+    b.drop_queue()
     log(f"replay: ledgerctl replay of {len(events)} failed_permanent events, live ingest (c=8) alongside")
     # The live ingest starts first and the replay once deliveries are being recorded, so the
     # replay runs entirely inside it; its rate during the replay is read from the rows.
@@ -832,17 +1017,20 @@ class ThinApi:
                 "failed": sum((r.status or 0) >= 400 for r in reqs)}
 
 
-def _steady_level(b: Bench, c: int, payload: str = "snapshot") -> dict[str, Any]:
-    """One level on the active side: a fresh stack, warmed up, on an empty ledger; then every
+def _steady_level(b: Bench, c: int, payload: str = "snapshot", events: list[BacklogEvent] | None = None,
+                  warm_events: list[BacklogEvent] | None = None) -> dict[str, Any]:
+    """One level on the active side and broker: a fresh stack, warmed up, on an empty ledger; then every
     delivery sent at concurrency ``c`` and the run timed until every event is processed.
 
-    ``payload`` "thin": the deliveries are the thin twins of the same events, POSTed to
-    /webhooks/stripe/thin, and the workers fetch each from a fake Stripe API of this level's own.
+    ``events`` and ``warm_events``: the level's stream (the same for every broker, revision and the
+    peer), signed now; new ones when not given. ``payload`` "thin": the deliveries are the thin twins
+    of the same events, POSTed to /webhooks/stripe/thin, and the workers fetch each from a fake
+    Stripe API of this level's own.
     """
     opts = b.opts
     side = b.side.label
-    events = b.steady_source.backlog(opts.steady_events)
-    warm_events = b.steady_source.backlog(200)
+    events = events if events is not None else b.steady_source.backlog(opts.steady_events)
+    warm_events = warm_events if warm_events is not None else b.steady_source.backlog(200)
     env, api = b.env, None
     if payload == "thin":
         twin = opts.thin_snapshot_twin
@@ -862,7 +1050,7 @@ def _steady_level(b: Bench, c: int, payload: str = "snapshot") -> dict[str, Any]
             b.cleanup.add("fake Stripe API", stop_api)
             api.start()
             env = {**b.env, **api.env()}
-        stack = Stack(env, b.work, queue=QUEUE, label=f"steady-{tag}{side}-c{c}-", checkout=b.checkout,
+        stack = Stack(env, b.work, queue=QUEUE, label=f"steady-{tag}{side}-{b.broker}-c{c}-", checkout=b.checkout,
                       receiver_server=opts.receiver_server, receiver_workers=opts.receiver_workers,
                       receiver_threads=opts.receiver_threads)
         stop_stack = stack.stop
@@ -878,16 +1066,20 @@ def _steady_level(b: Bench, c: int, payload: str = "snapshot") -> dict[str, Any]
                 api.process.control.clear_requests()
             # Statements, round trips and Redis commands per event too (Meter); not transactions,
             # which Postgres 15 publishes only as the backends exit.
-            meter = b.meter(lambda: {**stack.pids(), "Redis": [b.redis.pid]})
+            meter = b.meter(lambda: {**stack.pids(), **b.broker_group()})
             ids = [d.event_id for d in unique]
             processed = lambda: b.db.one(SQL.bench_events_processed_count, {"ids": ids})  # noqa: E731
             meter.begin_sql()
+            stack.fleet.mark_logs()
+            deadlocks0 = b.deadlocks()
             self0 = resource.getrusage(resource.RUSAGE_SELF)
             fake0 = cpu_seconds(api.process.pid) if api is not None else 0.0
             meter.begin_cpu(processed)
+            machine = MachineCpu().begin()
             r = b.wrk.run(rc.port, deliveries, c, max_duration_s=600)
             backlog = b.db.unfinished()
             resent = _wait_processed(b, rc, unique, timeout_s=max(300, len(unique) / 10))
+            busy = machine.end()
             meter.end_cpu(processed)
             fake_s = cpu_seconds(api.process.pid) - fake0 if api is not None else 0.0
             self1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -895,9 +1087,13 @@ def _steady_level(b: Bench, c: int, payload: str = "snapshot") -> dict[str, Any]
             cost = meter.finish("event_finish_if_lease_held")
             stats = _run_stats(b, ids)
             rss = ProcessWatch(stack.pids).peak_rss_mb()
+            attempts_deadlocked = b.attempts_deadlocked(ids)
+            log_deadlocks = stack.fleet.log_mentions("DeadlockDetected")
         finally:
             stop_stack()
             b.cleanup.remove(stop_stack)
+        b.wait_backends_gone("worker")
+        deadlocks = b.deadlocks() - deadlocks0
     finally:
         if api is not None:
             stop_api()
@@ -906,7 +1102,8 @@ def _steady_level(b: Bench, c: int, payload: str = "snapshot") -> dict[str, Any]
     n = max(stats["processed"], 1)
     e2e_s = stats["last_processed"] - r.started_at
     driver_s = (self1.ru_utime - self0.ru_utime) + (self1.ru_stime - self0.ru_stime)
-    row = {"concurrency": c, "payload": payload, "deliveries": len(deliveries), "events": len(unique),
+    row = {"concurrency": c, "payload": payload, "broker": b.broker, "deliveries": len(deliveries),
+           "events": len(unique),
            "redeliveries": len(deliveries) - len(unique), "processed": stats["processed"],
            "not_processed": stats["not_processed"], "errors": r.errors + stats["not_processed"], "resent": resent,
            "ack_rps": r.rps, "ack_p50_ms": r.p50_ms, "ack_p99_ms": r.p99_ms, "ack_s": r.duration_s,
@@ -914,7 +1111,8 @@ def _steady_level(b: Bench, c: int, payload: str = "snapshot") -> dict[str, Any]
            "backlog_at_last_ack": backlog, "max_wait_s": stats["max_wait_s"],
            "cpu_ms": {k: 1000 * v / n for k, v in cpu.items()}, "cpu_ms_total": 1000 * sum(cpu.values()) / n,
            "client_cpu_ms": {"wrk": 1000 * r.wrk_cpu_s / n, "bench driver": 1000 * driver_s / n},
-           "wrk_cpu_pct": r.wrk_cpu_pct, "peak_rss_mb": rss,
+           "wrk_cpu_pct": r.wrk_cpu_pct, "peak_rss_mb": rss, "busy": busy["busy"], "iowait": busy["iowait"],
+           "deadlocks": deadlocks, "attempts_deadlocked": attempts_deadlocked, "log_deadlocks": log_deadlocks,
            **{k: cost[k] for k in ("statements_per_event", "round_trips_per_event", "statements_by_name",
                                    "exec_ms_by_name", "redis_commands_per_event", "redis_by_command")}}
     api_note = ""
@@ -926,10 +1124,11 @@ def _steady_level(b: Bench, c: int, payload: str = "snapshot") -> dict[str, Any]
                              "objects_per_event": fetches["objects"] / n}
         api_note = (f" | Stripe API {row['stripe_api']['per_event']:.2f} requests/event "
                     f"({fetches['failed']} failed), fake {row['client_cpu_ms']['fake Stripe API']:.2f} ms/event")
-    log(f"  steady [{side}{'' if payload == 'snapshot' else ' ' + payload}] c={c:<3} ack {r.rps:7.1f} req/s "
-        f"p50 {r.p50_ms:6.1f} ms p99 {r.p99_ms:7.1f} ms | "
+    log(f"  steady [{side}, {b.broker_label}{'' if payload == 'snapshot' else ', ' + payload}] c={c:<3} ack "
+        f"{r.rps:7.1f} req/s p50 {r.p50_ms:6.1f} ms p99 {r.p99_ms:7.1f} ms | "
         f"end-to-end {row['e2e_eps']:7.1f} events/s ({stats['processed']} in {e2e_s:.1f}s, backlog at the last "
-        f"ack {backlog}) | CPU {row['cpu_ms_total']:.2f} ms/event{api_note} | errors {row['errors']}")
+        f"ack {backlog}) | CPU {row['cpu_ms_total']:.2f} ms/event, machine {100 * row['busy']:.0f}% busy{api_note} | "
+        f"deadlocks {deadlocks} (attempts {attempts_deadlocked}) | errors {row['errors']}")
     b.clear()
     return row
 
@@ -937,27 +1136,129 @@ def _steady_level(b: Bench, c: int, payload: str = "snapshot") -> dict[str, Any]
 STEADY_PAYLOADS = {"snapshot": ("snapshot",), "thin": ("thin",), "both": ("snapshot", "thin")}
 
 
-def steady(b: Bench) -> dict[str, Any]:
-    """The whole stack as README runs it, fed at each concurrency until every event is processed.
+def _peer_level(b: Bench, c: int, events: list[BacklogEvent], warm_events: list[BacklogEvent]) -> dict[str, Any]:
+    """Stripe's sync engine on the level's stream: a fresh database and server, warmed up (the same
+    200 events as the stack's warm-up), emptied; then the same deliveries (same bodies, same
+    redeliveries at the same places, signed now) at concurrency ``c``.
 
-    With ``--compare``, the older revision and this checkout take turns per level (older
-    c=1, current c=1, older c=8, ...), so that drift of the shared machine hits both alike;
-    with ``--payload both``, snapshot events and their thin twins do (snapshot c=1, thin c=1, ...).
-    Each revision's ``runs`` are its levels of the first payload; ``payload_runs`` all of them.
+    It applies each event inline before answering, so acknowledged is applied: its events/s is
+    the events over the time from the first send to the last answer (or to the last row it
+    wrote, if later), each event's object checked present in its tables afterwards."""
+    home = b.peer_home()
+    spec = b.work / f"sync-engine-openapi-c{c}.json"
+    spec.write_text(json.dumps(peer.openapi_document(json.loads(e.body) for e in [*warm_events, *events])))
+    database = peer.SyncEngineDatabase(b.pg.url_for).create()
+    api = FakeStripeProcess(b.work)  # the engine's Stripe client points here: any call it makes is counted
+    engine = None
+    stop_api = api.stop
+    b.cleanup.add("fake Stripe API (peer)", stop_api)
+    try:
+        api.start()
+        engine = peer.SyncEngine(home, b.work, database_url=database.url, secret=SECRET, spec=spec,
+                                 path=payloads.SNAPSHOT_PATH, stripe_api_url=api.base_url, name=f"sync-engine-c{c}")
+        stop_engine = engine.stop
+        b.cleanup.add("sync engine", stop_engine)
+        try:
+            engine.start()
+            b.wrk.run(engine.port, b.signed(warm_events), 8, max_duration_s=60)  # warm-up: JIT, pool, plans
+            time.sleep(0.5)  # the warm-up's last answers
+            database.empty()
+            api.control.clear_requests()
+            errors0 = len(engine.errors())
+            unique = b.signed(events)
+            deliveries = with_redeliveries(unique, STEADY_REDELIVERY_SHARE, seed=c)
+            expected = {json.loads(e.body)["data"]["object"]["id"] for e in events}
+            tables = sorted(set(peer.TABLES.values()))
+            deadlocks0 = b.deadlocks(database.name)
+            pg0, node0 = b.pg.cpu_s(), engine.cpu_s()
+            machine = MachineCpu().begin()
+            r = b.wrk.run(engine.port, deliveries, c, max_duration_s=600)
+            # The last requests in flight when wrk stopped timing: answered in moments.
+            deadline = time.monotonic() + 10
+            while True:
+                missing = expected - database.object_ids(tables)
+                if not missing or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            last_write = database.last_write(tables)
+            busy = machine.end()
+            node_s, pg_s = engine.cpu_s() - node0, b.pg.cpu_s() - pg0
+            rows = database.rows(tables)
+            requests = api.control.requests
+            handler_errors = len(engine.errors()) - errors0
+        finally:
+            stop_engine()
+            b.cleanup.remove(stop_engine)
+    finally:
+        stop_api()
+        b.cleanup.remove(stop_api)
+    deadlocks = b.deadlocks(database.name) - deadlocks0
+    database.drop()
+    end = max(r.started_at + r.duration_s, last_write or 0.0)
+    e2e_s = end - r.started_at
+    n = len(unique)
+    row = {"concurrency": c, "deliveries": len(deliveries), "events": n, "redeliveries": len(deliveries) - n,
+           "ack_rps": r.rps, "ack_p50_ms": r.p50_ms, "ack_p99_ms": r.p99_ms, "ack_s": r.duration_s,
+           "e2e_s": e2e_s, "e2e_eps": n / e2e_s if e2e_s > 0 else 0.0,
+           "objects": len(expected), "objects_missing": len(missing), "rows": rows,
+           "errors": r.errors + handler_errors + len(missing), "handler_errors": handler_errors,
+           "stripe_api_requests": len(requests), "deadlocks": deadlocks,
+           "busy": busy["busy"], "iowait": busy["iowait"],
+           "cpu_ms": {"sync engine (node)": 1000 * node_s / n, "Postgres": 1000 * pg_s / n},
+           "cpu_ms_total": 1000 * (node_s + pg_s) / n, "client_cpu_ms": {"wrk": 1000 * r.wrk_cpu_s / n}}
+    log(f"  steady [sync engine {peer.VERSION}] c={c:<3} ack {r.rps:7.1f} req/s p50 {r.p50_ms:6.1f} ms p99 "
+        f"{r.p99_ms:7.1f} ms | acknowledged and applied {row['e2e_eps']:7.1f} events/s ({n} in {e2e_s:.1f}s; "
+        f"objects missing {len(missing)}) | CPU {row['cpu_ms_total']:.2f} ms/event, machine "
+        f"{100 * busy['busy']:.0f}% busy | Stripe API calls {len(requests)} | deadlocks {deadlocks} | "
+        f"errors {row['errors']}")
+    return row
+
+
+def steady(b: Bench) -> dict[str, Any]:
+    """The whole stack as README runs it, fed at each concurrency until every event is processed,
+    beside Stripe's sync engine fed the same stream.
+
+    Per level, the same events (and warm-up) for every run: each broker (--broker), each revision
+    (--compare: the older one and this checkout), each payload (--payload both: snapshot events and
+    their thin twins), then the sync engine (--no-peer: not); so that drift of the shared machine
+    hits all alike. Each revision's ``runs`` are its levels of the first payload; ``payload_runs``
+    all of them; ``revisions`` are the first broker's, ``brokers`` holds each broker's.
     """
     opts = b.opts
     kinds = STEADY_PAYLOADS[opts.steady_payload]
+    with_peer = opts.peer
+    if with_peer is None:
+        missing = peer.available()
+        with_peer = missing is None
+        if missing:
+            log(f"steady: WITHOUT the sync engine beside it: {missing} (--peer requires it, --no-peer skips it)")
     log(f"steady: {opts.steady_events:,} events per level (+{100 * STEADY_REDELIVERY_SHARE:.0f}% redeliveries), "
         f"concurrency {', '.join(map(str, opts.steady_levels))}; revisions: {', '.join(s.label for s in b.sides)}; "
-        f"payload: {', '.join(kinds)}")
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {s.label: {k: [] for k in kinds} for s in b.sides}
+        f"brokers: {', '.join(brokers.LABELS[br] for br in opts.brokers)}; payload: {', '.join(kinds)}"
+        + (f"; beside {peer.PACKAGE_SPEC}" if with_peer else ""))
+    if with_peer:
+        b.peer_home()  # installed (once) before anything is measured
+    runs = {br: {s.label: {k: [] for k in kinds} for s in b.sides} for br in opts.brokers}
+    peer_runs: list[dict[str, Any]] = []
     for c in opts.steady_levels:
-        for side in b.sides:
-            for kind in kinds:
-                with b.using(side):
-                    runs[side.label][kind].append(_steady_level(b, c, kind))
+        events = b.steady_source.backlog(opts.steady_events)
+        warm_events = b.steady_source.backlog(200)
+        for broker in opts.brokers:
+            with b.using_broker(broker):
+                for side in b.sides:
+                    for kind in kinds:
+                        with b.using(side):
+                            runs[broker][side.label][kind].append(_steady_level(b, c, kind, events, warm_events))
+        if with_peer:
+            peer_runs.append(_peer_level(b, c, events, warm_events))
     sample = b.steady_source.backlog(500)
     thin_sample = payloads.thin_load(json.loads(e.body) for e in sample).notifications
+
+    def revisions_on(broker: str) -> list[dict[str, Any]]:
+        return [{"label": s.label, "commit": s.revision.commit, "runs": runs[broker][s.label][kinds[0]],
+                 "payload_runs": runs[broker][s.label]} for s in b.sides]
+
+    first = opts.brokers[0]
     return {"levels": list(opts.steady_levels), "events_per_level": opts.steady_events,
             "redelivery_share": STEADY_REDELIVERY_SHARE, "api_version": payloads.BASIL_API,
             "payload": payloads.size_stats(e.body for e in sample),
@@ -966,8 +1267,11 @@ def steady(b: Bench) -> dict[str, Any]:
             "receiver_threads": opts.receiver_threads,
             "workers": 2, "worker_concurrency": 2,
             "loadgen": "wrk 4 (1 thread, pre-signed requests replayed by a Lua script)",
-            "revisions": [{"label": s.label, "commit": s.revision.commit, "runs": runs[s.label][kinds[0]],
-                           "payload_runs": runs[s.label]} for s in b.sides]}
+            "broker": first, "revisions": revisions_on(first),
+            "brokers": {br: {"revisions": revisions_on(br)} for br in opts.brokers},
+            "peer": {"package": peer.PACKAGE_SPEC, "node": peer.node_version(), "pool_max": peer.POOL_MAX,
+                     "settings": peer.SETTINGS.format(node=peer.node_version()), "runs": peer_runs}
+            if with_peer else None}
 
 
 # -- scale --------------------------------------------------------------------------------------
@@ -1145,7 +1449,7 @@ def cost(b: Bench) -> dict[str, Any]:
         log(f"cost: metering one worker draining {n} events")
         events = b.source.backlog(n)
         load_received(b.db.url, events)
-        push_wakeups(b.redis.url, QUEUE, [e.id for e in events])
+        b.push_wakeups([e.id for e in events])
         holder: dict = {}
         meter = Meter(b, lambda: holder["fleet"].pids())
         meter.begin_sql()
@@ -1161,6 +1465,104 @@ def cost(b: Bench) -> dict[str, Any]:
     b.finish()
     return {"receiver": meters["cost_receiver"], "worker": meters["cost_worker"], "peak_rss_mb": dict(b.peak_rss),
             "rss_target_met": all(v < 150 for v in b.peak_rss.values()) if b.peak_rss else None}
+
+
+# -- receiver-cost ------------------------------------------------------------------------------
+
+def _minimal_receiver(b: Bench) -> Receiver:
+    """devkit/benchmarks/minimal_wsgi.py under the receiver's own server and settings (this checkout's
+    code, on the active side's database and Redis)."""
+    template = wakeup_template(b.broker_url, QUEUE)
+    env = {**b.env, "BENCH_WAKEUP_TEMPLATE": json.dumps(template), "PYTHONPATH": str(Checkout().root)}
+    rc = Receiver(env, b.work, server=b.opts.receiver_server, workers=b.opts.receiver_workers,
+                  threads=b.opts.receiver_threads, ready_path="/readyz", extra_args=("--backlog", "2048"))
+    rc.cmd = [arg.replace("ingest.app:create_app", "devkit.benchmarks.minimal_wsgi:create_app") for arg in rc.cmd]
+    rc.name = "minimal-wsgi"
+    return rc
+
+
+def _receiver_cost_run(b: Bench, name: str, rc: Receiver, n: int) -> dict[str, Any]:
+    """One server: started, warmed up, on an empty ledger; then ``n`` new deliveries at the scenario's
+    connections; CPU of its processes (master and workers), Postgres' and Redis' over the run, until
+    every delivery has its row (the last ones wrk did not time included)."""
+    c = b.opts.receiver_cost_connections
+    stop = rc.stop
+    b.cleanup.add(name, stop)
+    try:
+        rc.start()
+        b.clear()
+        b.wrk.run(rc.port, b.signed(b.steady_source.backlog(min(600, n))), c, max_duration_s=60)  # warm-up
+        time.sleep(0.3)
+        b.clear()
+        deliveries = b.signed(b.steady_source.backlog(n))
+        watch = ProcessWatch(rc.pids)
+        pg0, broker0 = b.pg.cpu_s(), cpu_seconds(b.redis.pid)
+        watch.begin()
+        r = b.wrk.run(rc.port, deliveries, c, max_duration_s=600)
+        deadline = time.monotonic() + 10
+        while b.db.one(SQL.bench_events_count) < len(deliveries) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cpu = watch.cpu_s()
+        pg_s, broker_s = b.pg.cpu_s() - pg0, cpu_seconds(b.redis.pid) - broker0
+        recorded = b.db.one(SQL.bench_events_count)
+    finally:
+        stop()
+        b.cleanup.remove(stop)
+    b.clear()
+    server_s = sum(cpu.values())
+    per = max(recorded, 1)
+    run = {"server": name, "requests": len(deliveries), "recorded": recorded, "rps": r.rps,
+           "p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "errors": r.errors + (len(deliveries) - recorded),
+           "cpu_s": server_s, "cpu_s_by_process": cpu, "postgres_cpu_s": pg_s, "redis_cpu_s": broker_s,
+           "cpu_ms_per_request": 1000 * server_s / per, "postgres_cpu_ms_per_request": 1000 * pg_s / per,
+           "redis_cpu_ms_per_request": 1000 * broker_s / per}
+    log(f"  {name:<13} {r.rps:7.1f} req/s p50 {r.p50_ms:6.1f} ms p99 {r.p99_ms:7.1f} ms | CPU "
+        f"{run['cpu_ms_per_request']:.3f} ms/request (Postgres {run['postgres_cpu_ms_per_request']:.3f}, Redis "
+        f"{run['redis_cpu_ms_per_request']:.3f}) | errors {run['errors']}")
+    return run
+
+
+# The issue's target: the receiver's CPU per request within this factor of the minimal WSGI app's.
+RECEIVER_COST_TARGET = 1.3
+
+
+def receiver_cost(b: Bench) -> dict[str, Any]:
+    """The receiver's CPU per request next to a minimal WSGI app doing the same I/O (minimal_wsgi.py:
+    HMAC check, JSON parse, the receiver's INSERT, one LPUSH of the wake-up), both under the same
+    server and settings, fed the same kind of deliveries by the same wrk load, taking turns
+    (receiver, minimal, receiver, ...), on Redis."""
+    opts = b.opts
+    n, c = opts.receiver_cost_requests, opts.receiver_cost_connections
+    kind = report.receiver_kind(opts.receiver_server, opts.receiver_workers, opts.receiver_threads)
+    log(f"receiver-cost: {n:,} new deliveries per run at c={c}, {opts.receiver_cost_rounds} run(s) per server, "
+        f"each under {kind}")
+    runs: list[dict[str, Any]] = []
+    with b.using_broker("redis"):
+        b.stop_receiver()
+        for _ in range(opts.receiver_cost_rounds):
+            runs.append(_receiver_cost_run(b, "receiver", b.checkout.adopt(Receiver(
+                b.env, b.work, server=opts.receiver_server, workers=opts.receiver_workers,
+                threads=opts.receiver_threads, ready_path="/readyz", extra_args=("--backlog", "2048"))), n))
+            runs.append(_receiver_cost_run(b, "minimal WSGI", _minimal_receiver(b), n))
+
+    def total(name: str) -> dict[str, Any]:
+        mine = [r for r in runs if r["server"] == name]
+        recorded = max(sum(r["recorded"] for r in mine), 1)
+        return {"requests": sum(r["requests"] for r in mine), "recorded": recorded,
+                "rps": statistics.fmean(r["rps"] for r in mine), "p99_ms": max(r["p99_ms"] for r in mine),
+                "cpu_ms_per_request": 1000 * sum(r["cpu_s"] for r in mine) / recorded,
+                "postgres_cpu_ms_per_request": 1000 * sum(r["postgres_cpu_s"] for r in mine) / recorded,
+                "redis_cpu_ms_per_request": 1000 * sum(r["redis_cpu_s"] for r in mine) / recorded,
+                "errors": sum(r["errors"] for r in mine)}
+    receiver, minimal = total("receiver"), total("minimal WSGI")
+    ratio = receiver["cpu_ms_per_request"] / minimal["cpu_ms_per_request"] if minimal["cpu_ms_per_request"] else 0.0
+    log(f"  receiver CPU per request {receiver['cpu_ms_per_request']:.3f} ms vs minimal WSGI "
+        f"{minimal['cpu_ms_per_request']:.3f} ms: {ratio:.2f}× (target ≤ {RECEIVER_COST_TARGET}×)")
+    return {"server": kind, "receiver_server": opts.receiver_server, "receiver_workers": opts.receiver_workers,
+            "receiver_threads": opts.receiver_threads, "connections": c, "requests_per_run": n,
+            "rounds": opts.receiver_cost_rounds, "broker": "redis", "runs": runs, "receiver": receiver,
+            "minimal": minimal, "ratio": ratio, "target": RECEIVER_COST_TARGET,
+            "loadgen": "wrk 4 (1 thread, pre-signed requests replayed by a Lua script)"}
 
 
 # -- profile ------------------------------------------------------------------------------------
@@ -1210,12 +1612,12 @@ def profile(b: Bench) -> dict[str, Any]:
     events = b.source.backlog(n)
     load_received(b.db.url, events)
     with b.fleet(1) as fleet:
-        push_wakeups(b.redis.url, QUEUE, [e.id for e in events[:200]])  # warm-up
+        b.push_wakeups([e.id for e in events[:200]])  # warm-up
         _wait_drained_count(b, n - 200, timeout_s=120)
         pids = fleet.pids()
         spies = _spy(pyspy, pids["worker main"] + pids["worker pool process"], seconds, b.work / "profile-worker.txt")
         time.sleep(0.5)
-        push_wakeups(b.redis.url, QUEUE, [e.id for e in events[200:]])
+        b.push_wakeups([e.id for e in events[200:]])
         raws = _collect(b, spies)
     out["worker"] = {"profile": report.collapse(raws), "raw": [str(p) for p in raws]}
     b.clear()
@@ -1230,9 +1632,9 @@ def _wait_drained_count(b: Bench, remaining: int, timeout_s: float) -> None:
 
 SCENARIOS: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "ingest": ingest, "drain": drain, "burst": burst, "replay": replay, "scale": scale, "cost": cost,
-    "profile": profile, "steady": steady,
+    "profile": profile, "steady": steady, "receiver-cost": receiver_cost,
 }
-ALL = ("ingest", "drain", "burst", "replay", "scale", "cost", "steady")
+ALL = ("ingest", "drain", "burst", "replay", "scale", "cost", "receiver-cost", "steady")
 # Scenarios that take turns between the revisions of --compare themselves (per level);
 # every other scenario runs once per revision, the older one first.
 INTERLEAVED = ("steady",)

@@ -56,6 +56,7 @@ class WorkerFleet:
         self.workers = [checkout.adopt(worker) for worker in workers]
 
     def start(self, timeout_s: float = 90) -> "WorkerFleet":
+        self.mark_logs()
         for worker in self.workers:
             worker.start()
 
@@ -65,6 +66,16 @@ class WorkerFleet:
             return all(len(worker.children()) >= self.concurrency for worker in self.workers)
         wait_until(pools_up, timeout_s=timeout_s, interval_s=0.1, what="the workers' pool processes")
         return self
+
+    def mark_logs(self) -> None:
+        """From now on for ``log_mentions`` (a node's log file is appended to by every fleet of its name)."""
+        self._log_marks = {worker.log_path: len(worker.log()) for worker in self.workers}
+
+    def log_mentions(self, text: str) -> int:
+        """Lines of the workers' logs since the last ``mark_logs`` (the fleet's start) that contain ``text``."""
+        marks = getattr(self, "_log_marks", {})
+        return sum(line.count(text) > 0 for worker in self.workers
+                   for line in worker.log()[marks.get(worker.log_path, 0):].splitlines())
 
     def pids(self) -> dict[str, list[int]]:
         return {"worker main": [w.pid for w in self.workers if w.pid],
@@ -113,6 +124,32 @@ class Stack:
         self.receiver.stop()
         self.fleet.stop()
         self.sweep.stop()
+
+
+class MachineCpu:
+    """The whole machine's CPU over a window, from the first line of /proc/stat (every core together).
+
+    ``busy`` is 1 - idle/total, a fraction of all cores (1.0: every core busy the whole window);
+    time waiting on I/O with nothing to run (iowait) is not idle by this measure, and is reported
+    apart (``iowait``). Everything on the machine counts: the measured processes, the benchmark's
+    own, and whatever else runs on a shared machine.
+    """
+
+    @staticmethod
+    def _read() -> list[int]:
+        with open("/proc/stat") as fh:
+            fields = fh.readline().split()[1:]
+        return [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal (guest is in user)
+
+    def begin(self) -> "MachineCpu":
+        self._t0 = self._read()
+        return self
+
+    def end(self) -> dict[str, float]:
+        delta = [b - a for a, b in zip(self._t0, self._read())]
+        total = sum(delta) or 1
+        return {"busy": 1 - delta[3] / total, "iowait": delta[4] / total,
+                "user": (delta[0] + delta[1]) / total, "system": (delta[2] + delta[5] + delta[6]) / total}
 
 
 @dataclass

@@ -190,6 +190,47 @@ def load_received(url: str, events: list[BacklogEvent], *, status_sql: str | Non
         conn.execute(SQL.bench_analyze_events)
 
 
+def wakeup_template(broker_url: str, queue: str) -> dict[str, Any]:
+    """The message ``Waker.wake`` publishes to Redis for a wake-up on ``queue``, as a dict.
+
+    Published by the Waker itself through a queue of its own (so that a running worker
+    cannot take it) and read back; ``WakeupMessage`` makes the message of any event id from it.
+    """
+    client = redis.Redis.from_url(broker_url)
+    try:
+        probe_queue = f"{queue}.template-{uuid.uuid4().hex[:8]}"
+        app = make_celery(Settings(broker_url=broker_url, queue_name=probe_queue), publisher_only=True)
+        if not Waker(app).wake(f"evt_probe_{uuid.uuid4().hex}"):
+            raise RuntimeError("could not publish a wake-up to the private Redis")
+        app.close()
+        template = json.loads(client.rpop(probe_queue))
+        client.delete(probe_queue)
+    finally:
+        client.close()
+    template["properties"]["delivery_info"] = {**template["properties"]["delivery_info"], "routing_key": queue}
+    return template
+
+
+class WakeupMessage:
+    """Wake-up messages for any event id, from ``wakeup_template``'s message: its task arguments are
+    decoded once, each ``for_event`` replaces the id and the message ids."""
+
+    def __init__(self, template: dict[str, Any]):
+        self.template = template
+        _, self.kwargs, self.embed = json.loads(base64.b64decode(template["body"]))
+
+    def for_event(self, event_id: str) -> str:
+        template = self.template
+        task_id = str(uuid.uuid4())
+        message = dict(template)
+        message["body"] = base64.b64encode(json.dumps([[event_id], self.kwargs, self.embed]).encode()).decode()
+        message["headers"] = {**template["headers"], "id": task_id, "root_id": task_id,
+                              "argsrepr": repr([event_id])}
+        message["properties"] = {**template["properties"], "correlation_id": task_id,
+                                 "delivery_tag": str(uuid.uuid4())}
+        return json.dumps(message)
+
+
 def push_wakeups(broker_url: str, queue: str, event_ids: list[str]) -> None:
     """One wake-up per id, in order, byte for byte what ``Waker.wake`` publishes.
 
@@ -199,28 +240,12 @@ def push_wakeups(broker_url: str, queue: str, event_ids: list[str]) -> None:
     """
     if not event_ids:
         return
+    messages = WakeupMessage(wakeup_template(broker_url, queue))
     client = redis.Redis.from_url(broker_url)
     try:
-        # The template goes through a queue of its own, so that a running worker cannot take it.
-        probe_queue = f"{queue}.template-{uuid.uuid4().hex[:8]}"
-        app = make_celery(Settings(broker_url=broker_url, queue_name=probe_queue), publisher_only=True)
-        if not Waker(app).wake(f"evt_probe_{uuid.uuid4().hex}"):
-            raise RuntimeError("could not publish a wake-up to the private Redis")
-        app.close()
-        template = json.loads(client.rpop(probe_queue))
-        client.delete(probe_queue)
-        template["properties"]["delivery_info"] = {**template["properties"]["delivery_info"], "routing_key": queue}
-        _, kwargs, embed = json.loads(base64.b64decode(template["body"]))
         pipe = client.pipeline(transaction=False)
         for index, event_id in enumerate(event_ids, start=1):
-            task_id = str(uuid.uuid4())
-            message = dict(template)
-            message["body"] = base64.b64encode(json.dumps([[event_id], kwargs, embed]).encode()).decode()
-            message["headers"] = {**template["headers"], "id": task_id, "root_id": task_id,
-                                  "argsrepr": repr([event_id])}
-            message["properties"] = {**template["properties"], "correlation_id": task_id,
-                                     "delivery_tag": str(uuid.uuid4())}
-            pipe.lpush(queue, json.dumps(message))
+            pipe.lpush(queue, messages.for_event(event_id))
             if index % 2000 == 0:
                 pipe.execute()
         pipe.execute()
@@ -276,8 +301,9 @@ class DrainScript:
         return var
 
     def text(self) -> str:
-        ledger = {"id": ":ev_id", "worker": ":worker", "lease_owner": ":lease_owner", "lease_s": ":lease_s",
-                  "attempt": ":cl_attempts"}
+        # "ids": a claim of the wake-ups a worker holds, here the one event (a one-element array).
+        ledger = {"id": ":ev_id", "ids": "ARRAY[:ev_id]::text[]", "worker": ":worker",
+                  "lease_owner": ":lease_owner", "lease_s": ":lease_s", "attempt": ":cl_attempts"}
         lines = ["\\set i :i + 1",
                  "\\set n :client_id + 1 + :nclients * (:i - 1)",
                  pgbench_sql(SQL.bench_drain_work_row, var=lambda p: ":n").rstrip(";") + " \\gset",
