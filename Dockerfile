@@ -44,4 +44,4 @@ USER 10001:10001
 EXPOSE 8000 5555
 
 # The receiver by default; compose overrides this per service.
-CMD ["gunicorn", "--bind", "0.0.0.0:8000", "--workers", "4", "ingest.app:create_app()"]
+CMD ["gunicorn", "--bind", "0.0.0.0:8000", "--workers", "2", "--worker-class", "gthread", "--threads", "16", "ingest.app:create_app()"]

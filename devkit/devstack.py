@@ -32,6 +32,7 @@ Settings (environment):
   WORKERS             2       Celery worker processes (each with WORKER_CONCURRENCY children)
   WORKER_CONCURRENCY  2
   GUNICORN_WORKERS    2
+  GUNICORN_THREADS    16      gthread threads per receiver process
   RECEIVER_PORT       8000
   FLOWER_PORT         5555
   FLOWER_BASIC_AUTH   devstack:devstack (printed) when unset
@@ -591,6 +592,7 @@ class Devstack:
         self.workers = env_default("WORKERS", "2")
         self.concurrency = env_default("WORKER_CONCURRENCY", "2")
         self.gunicorn_workers = env_default("GUNICORN_WORKERS", "2")
+        self.gunicorn_threads = env_default("GUNICORN_THREADS", "16")
         self.receiver_port = env_default("RECEIVER_PORT", "8000")
         self.flower_port = env_default("FLOWER_PORT", "5555")
         if not self.workers.isdigit():
@@ -664,6 +666,7 @@ class Devstack:
         self.write_env(receiver_port)
 
         self.command("receiver", [gunicorn, "--bind", f"127.0.0.1:{receiver_port}", "--workers", self.gunicorn_workers,
+                                  "--worker-class", "gthread", "--threads", self.gunicorn_threads,
                                   "ingest.app:create_app()"])
         for i in range(1, int(self.workers) + 1):
             # Distinct node names: several workers on one host must not share one.

@@ -53,12 +53,12 @@ def http_request(port: int, method: str, path: str, body: bytes | None = None,
 # The WSGI servers the receiver can run under: the first is README's command, the second README's
 # alternative (SUPPORTED_RECEIVER_SERVERS: the e2e tests run both). granian is here to be measured
 # (ops/bench --receiver granian) and its framing tested, not run: README, "Running it", says why.
-RECEIVER_SERVERS = ("gunicorn-sync", "gunicorn-gthread", "granian")
+RECEIVER_SERVERS = ("gunicorn-gthread", "gunicorn-sync", "granian")
 SUPPORTED_RECEIVER_SERVERS = RECEIVER_SERVERS[:2]
 DEFAULT_RECEIVER_SERVER = RECEIVER_SERVERS[0]
 # Threads per worker process when the caller names none: gthread's, and granian's blocking
-# threads (the ones that run the WSGI app), each as many as a worker's DB_POOL_MAX_SIZE.
-DEFAULT_THREADS = {"gunicorn-sync": 1, "gunicorn-gthread": 4, "granian": 4}
+# threads (the ones that run the WSGI app), each as many as a worker's DB_POOL_MAX_SIZE (16).
+DEFAULT_THREADS = {"gunicorn-sync": 1, "gunicorn-gthread": 16, "granian": 16}
 
 
 def receiver_command(server: str, *, host: str, port: int, workers: int, threads: int | None = None,
@@ -96,7 +96,7 @@ class Receiver(Process):
                  workers: int = 2, threads: int | None = None, port: int | None = None, host: str = "127.0.0.1",
                  ready_path: str = "/healthz", extra_args: tuple[str, ...] = ()):
         if server is None:
-            server = "gunicorn-gthread" if (threads or 1) > 1 else DEFAULT_RECEIVER_SERVER
+            server = "gunicorn-gthread" if (threads or 2) > 1 else "gunicorn-sync"
         self.port = port or free_port()
         self.server = server
         self.workers = workers

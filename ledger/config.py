@@ -48,7 +48,7 @@ class Settings:
     # Receiver: how long a request may wait for a pooled connection / the INSERT.
     db_pool_timeout_s: float = 2.0
     db_statement_timeout_ms: int = 5000
-    db_pool_max_size: int = 4
+    db_pool_max_size: int = 16
     # Receiver: a broker that does not answer within this is treated as down
     # (the row is durable; the sweep re-drives it).
     broker_timeout_s: float = 1.0

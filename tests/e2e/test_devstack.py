@@ -26,7 +26,8 @@ LEDGERCTL = VENV / "bin" / "ledgerctl"
 
 # Settings a developer's shell may carry that must not leak into the stack under test.
 INHERITED_PREFIXES = ("DATABASE_URL", "CELERY_", "STRIPE_", "LEDGER_", "PROMETHEUS_", "FLOWER_", "DEVSTACK_",
-                      "RECEIVER_PORT", "WORKERS", "WORKER_CONCURRENCY", "GUNICORN_WORKERS")
+                      "RECEIVER_PORT", "WORKERS", "WORKER_CONCURRENCY", "GUNICORN_WORKERS",
+                      "GUNICORN_THREADS")
 
 
 def read_env_file(path: Path) -> dict[str, str]:
