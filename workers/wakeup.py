@@ -47,18 +47,20 @@ class _Template:
     """A wake-up message as kombu's Redis transport wrote it (the JSON it LPUSHes), and its key."""
     key: str
     message: dict
+    _call_rest: tuple = field(init=False, repr=False)  # the body's kwargs and embed, the same for every wake-up
+
+    def __post_init__(self):
+        _args, kwargs, embed = loads(base64.b64decode(self.message["body"]))
+        self._call_rest = (kwargs, embed)
 
     def fill(self, arg) -> str:
-        """The same message for another wake-up of the task: its own task id, argument and delivery tag."""
-        message = copy.deepcopy(self.message)
+        """The same message for another wake-up of the task: its own task id, argument and delivery tag.
+        Only the two dicts it changes are copied: the rest of the template is shared, never changed."""
         task_id = str(uuid.uuid4())
-        headers, properties = message["headers"], message["properties"]
-        headers["id"] = headers["root_id"] = properties["correlation_id"] = task_id
-        headers["argsrepr"] = saferepr([arg])
-        _args, kwargs, embed = loads(base64.b64decode(message["body"]))
-        message["body"] = base64.b64encode(dumps([[arg], kwargs, embed]).encode()).decode()
-        properties["delivery_tag"] = str(uuid.uuid4())
-        return dumps(message)
+        headers = {**self.message["headers"], "id": task_id, "root_id": task_id, "argsrepr": saferepr([arg])}
+        properties = {**self.message["properties"], "correlation_id": task_id, "delivery_tag": str(uuid.uuid4())}
+        body = base64.b64encode(dumps([[arg], *self._call_rest]).encode()).decode()
+        return dumps({**self.message, "body": body, "headers": headers, "properties": properties})
 
 
 @dataclass
