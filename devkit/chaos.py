@@ -499,7 +499,8 @@ def reference_snapshot(events: list[dict], url: str) -> dict[str, set]:
     """Apply every event once, in created order, in-process, on a fresh database; its billing rows."""
     from ledger.config import Settings
     from ledger.db import ProcessPool
-    from ledger.store import EventStore, WorkerLedger
+    from ledger.deliveries import EventStore
+    from ledger.attempts import WorkerLedger
     from devkit.factories import incoming
     from workers.processor import EventProcessor, Outcome
     from workers.registry import load_handlers

@@ -345,7 +345,7 @@ def health_event(related: dict[str, Any], *, impact_event_type: str, created: fl
 def incoming(evt: dict[str, Any]):
     """The ledger's view of a verified delivery of ``evt``, a snapshot event or a thin notification
     (for recording without HTTP)."""
-    from ledger.store import IncomingEvent
+    from ledger.deliveries import IncomingEvent
 
     if evt.get("object") == THIN_OBJECT:
         # As the receiver records one: created to the millisecond, the context as the account.

@@ -76,8 +76,8 @@ SABOTAGES = (
     Sabotage(
         "received-duplicate-is-done",
         "receiver treats a duplicate of a `received` event as handled: record_delivery asks for a "
-        "wake-up for received only when it inserted the row (ledger/store.py)",
-        (("ledger/store.py",
+        "wake-up for received only when it inserted the row (ledger/deliveries.py)",
+        (("ledger/deliveries.py",
           "needs_wakeup = status in (EventStatus.RECEIVED, EventStatus.FAILED_RECOVERABLE) or (",
           "needs_wakeup = row[\"inserted\"] or status is EventStatus.FAILED_RECOVERABLE or ("),),
         ("tests/integration/test_receiver_ledger.py", "tests/unit/test_wakeup.py")),
@@ -110,9 +110,9 @@ SABOTAGES = (
     Sabotage(
         "member-fence-without-lease-owner",
         "every event is applied under a fence and a finish that no longer check the lease owner: "
-        "lease_owner dropped from the statements ApplyTransaction.member runs (ledger/store.py); the "
+        "lease_owner dropped from the statements ApplyTransaction.member runs (ledger/attempts.py); the "
         "SQL itself keeps its guard",
-        (("ledger/store.py",
+        (("ledger/attempts.py",
           "            conn.execute(SQL.event_lock_if_lease_held, keys)\n            yield conn\n"
           "            conn.execute(SQL.event_finish_if_lease_held, keys)\n            conn.execute(f\"RELEASE",
           "            unfenced = \" AND lease_owner = %(lease_owner)s\"\n"
@@ -124,9 +124,9 @@ SABOTAGES = (
     Sabotage(
         "member-not-rolled-back",
         "a member of an apply transaction that failed has its savepoint released instead of rolled back "
-        "(ApplyTransaction._roll_back_member, ledger/store.py): its writes commit with its batch-mates' "
+        "(ApplyTransaction._roll_back_member, ledger/attempts.py): its writes commit with its batch-mates' "
         "while it is recorded as failed",
-        (("ledger/store.py",
+        (("ledger/attempts.py",
           "            conn.execute(f\"ROLLBACK TO SAVEPOINT {self._SAVEPOINT}\")\n",
           ""),),
         ("tests/integration/test_worker_batch.py",)),

@@ -14,7 +14,7 @@ from ledger.config import Settings
 from ledger.db import ProcessPool
 from ledger.errors import ConfigError
 from ledger.logs import configure as configure_logging
-from ledger.store import EventStore
+from ledger.deliveries import EventStore
 from workers.app import make_celery
 from workers.wakeup import Waker
 

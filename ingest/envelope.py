@@ -14,7 +14,7 @@ import stripe
 from stripe.v2.core import EventNotification
 
 from ledger.errors import LedgerError
-from ledger.store import IncomingEvent
+from ledger.deliveries import IncomingEvent
 
 
 _EVENT_ID = re.compile(r"evt_[A-Za-z0-9_-]{1,250}")

@@ -24,7 +24,7 @@ from typing import ClassVar
 from ledger.errors import LeaseLost
 from ledger.outbox import EffectClaim
 from ledger.states import EventStatus, OutboxStatus
-from ledger.store import Claim, FailureRecord
+from ledger.attempts import Claim, FailureRecord
 from workers.app import MAX_COUNTDOWN_S
 from workers.failures import Failure, Kind
 from workers.retry import GiveUp, RetryPolicy
@@ -40,7 +40,7 @@ def outcomes(name: str, module: str, *finished: EventStatus | OutboxStatus) -> t
     return StrEnum(name, members, module=module)
 
 
-# An attempt's claim: an event's (ledger.store) or an effect's (ledger.outbox).
+# An attempt's claim: an event's (ledger.attempts) or an effect's (ledger.outbox).
 AnyClaim = Claim | EffectClaim
 
 

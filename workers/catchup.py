@@ -45,7 +45,7 @@ from ledger.db import ProcessPool
 from ledger.errors import LedgerError
 from ledger.queries import SQL
 from ledger.statements import run_statement
-from ledger.store import EventStore, IncomingEvent
+from ledger.deliveries import EventStore, IncomingEvent
 from workers import metrics
 from workers.stripe_api import StripeApi
 

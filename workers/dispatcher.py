@@ -16,7 +16,7 @@ from enum import StrEnum
 from ledger.errors import LeaseLost
 from ledger.outbox import EffectClaim, OutboxLedger
 from ledger.states import OutboxStatus
-from ledger.store import FailureRecord
+from ledger.attempts import FailureRecord
 from workers import metrics
 from workers.attempt import LeasedWork, outcomes
 from workers.effects import DeliveryFailed, EffectDelivery, Sender

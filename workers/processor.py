@@ -37,7 +37,7 @@ import psycopg
 from ledger.config import Settings
 from ledger.errors import LeaseLost
 from ledger.states import EventStatus
-from ledger.store import ApplyTransaction, BatchLost, Claim, FailureRecord, WorkerLedger
+from ledger.attempts import ApplyTransaction, BatchLost, Claim, FailureRecord, WorkerLedger
 from workers import metrics, thin
 from workers.attempt import LeasedWork, outcomes
 from workers.failures import Failure, Kind, classify

@@ -8,7 +8,7 @@ from celery import Celery
 from ledger.config import Settings
 from ledger.db import ProcessPool
 from ledger.outbox import OutboxLedger
-from ledger.store import WorkerLedger
+from ledger.attempts import WorkerLedger
 from workers.dispatcher import OutboxDispatcher
 from workers.effects import Sender, load_senders
 from workers.processor import EventProcessor

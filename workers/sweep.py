@@ -27,7 +27,7 @@ from celery import Celery
 
 from ledger.config import Settings
 from ledger.outbox import OutboxLedger
-from ledger.store import WorkerLedger
+from ledger.attempts import WorkerLedger
 from workers import metrics
 from workers.wakeup import Waker
 

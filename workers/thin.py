@@ -40,7 +40,7 @@ import stripe
 
 from ingest.envelope import THIN_OBJECT
 from ledger.config import Settings
-from ledger.store import Claim
+from ledger.attempts import Claim
 from workers.billing.mapping import is_deletion
 from workers.failures import PermanentError
 from workers.stripe_api import COLLECTIONS, PermanentApiError, RetryRule, StripeApi

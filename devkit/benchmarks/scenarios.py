@@ -1291,7 +1291,7 @@ def _unfinished_set(b: Bench) -> list[str]:
 def sweep(b: Bench) -> dict[str, Any]:
     """One recovery sweep pass over a 1,000-event unprocessed set, and the plan of its query."""
     from ledger.db import ProcessPool
-    from ledger.store import WorkerLedger
+    from ledger.attempts import WorkerLedger
     from workers.app import make_celery
     from workers.sweep import Sweeper
     from workers.wakeup import Waker

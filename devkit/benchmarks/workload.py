@@ -36,7 +36,7 @@ def _retag(text: str, tag: str) -> str:
     return _ID.sub(lambda m: f"{m[1]}_{tag}{m[2][len(tag):]}", text)
 
 
-# The fields of ledger.store.IncomingEvent (what the receiver records) plus what pgbench replays;
+# The fields of ledger.deliveries.IncomingEvent (what the receiver records) plus what pgbench replays;
 # a type of its own so that the benchmark's extras stay out of the product's.
 @dataclass(frozen=True)
 class BacklogEvent:

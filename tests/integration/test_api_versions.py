@@ -11,7 +11,7 @@ import pytest
 
 from devkit.factories import BASIL_API, CLOVER_API, DAHLIA_API, OLD_API, SubscriptionHistory, event, new_id
 from ledger.config import Settings
-from ledger.store import WorkerLedger
+from ledger.attempts import WorkerLedger
 from tests.support.handlers_for_tests import register_pre_accounts_v2
 from tests.support.workers import TEST_HANDLERS, RecordingWaker
 from workers.processor import EventProcessor, Outcome

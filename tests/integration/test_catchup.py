@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 
 from devkit.factories import event, incoming
 from ledger.errors import DatabaseUnavailable
-from ledger.store import EventStore
+from ledger.deliveries import EventStore
 from tests.support.stripe_api import api_settings, env_of, fake_stripe  # noqa: F401
 from tests.support.workers import RecordingWaker
 from workers.catchup import CatchUp, CatchupBusy, CatchupRequest, PeriodicCatchup
@@ -273,7 +273,7 @@ def test_the_periodic_catchup_covers_the_platform_and_every_account_with_a_curso
 
 
 def test_the_sweep_loop_runs_the_periodic_catchup_when_an_interval_is_set(kit, settings, fake_stripe):
-    from ledger.store import WorkerLedger
+    from ledger.attempts import WorkerLedger
     from workers.app import make_celery
     from workers.sweep import Sweeper
 

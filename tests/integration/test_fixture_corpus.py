@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ledger.store import IncomingEvent
+from ledger.deliveries import IncomingEvent
 from devkit.factories import BASIL_API, event
 from tests.support.constants import FIXTURES_DIR, fixture_files
 from workers.processor import Outcome

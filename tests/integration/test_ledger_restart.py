@@ -19,7 +19,7 @@ from ledger.operator import OperatorLedger
 from ledger.outbox import OutboxLedger, record
 from ledger.queries import SQL
 from ledger.statements import run_statement
-from ledger.store import EventStore
+from ledger.deliveries import EventStore
 
 TIMEOUT_MS = 1000
 

@@ -50,7 +50,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition,
 
 from ledger.operator import OperatorLedger
 from ledger.queries import SQL
-from ledger.store import EventStore, WorkerLedger
+from ledger.deliveries import EventStore
+from ledger.attempts import WorkerLedger
 from devkit.factories import event, incoming
 from tests.support import model_handlers
 from tests.support.workers import RecordingWaker, claim_one

@@ -6,7 +6,7 @@ import dataclasses
 import threading
 
 from devkit.procs import run_together
-from ledger.store import WorkerLedger
+from ledger.attempts import WorkerLedger
 from tests.support.workers import RecordingWaker
 from workers.app import make_celery
 from workers.sweep import Sweeper

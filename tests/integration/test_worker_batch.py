@@ -12,7 +12,7 @@ import pytest
 
 from devkit.factories import event
 from devkit.procs import wait_until
-from ledger.store import WorkerLedger
+from ledger.attempts import WorkerLedger
 from workers.processor import EventProcessor, Outcome
 from tests.support.workers import claim_one, applying_one
 
@@ -488,8 +488,8 @@ def test_a_batch_costs_one_claim_and_one_commit_and_one_wait_per_event(batch_kit
         waits.append(1)
         return real_sync(self)
 
-    import ledger.store
-    real_run = ledger.store.run_statement
+    import ledger.attempts
+    real_run = ledger.attempts.run_statement
 
     def run_statement(pool, sql, params=None):
         sent.append("autocommit " + " ".join(sql.split()[:2]))
@@ -497,7 +497,7 @@ def test_a_batch_costs_one_claim_and_one_commit_and_one_wait_per_event(batch_kit
 
     monkeypatch.setattr(psycopg.Connection, "execute", execute)
     monkeypatch.setattr(psycopg.Pipeline, "sync", sync)
-    monkeypatch.setattr(ledger.store, "run_statement", run_statement)
+    monkeypatch.setattr(ledger.attempts, "run_statement", run_statement)
     assert processor.process_batch(ids) == [Outcome.PROCESSED] * 20
     monkeypatch.undo()
 

@@ -10,7 +10,7 @@ import pytest
 from ledger.errors import LeaseLost
 from ledger.queries import SQL
 from ledger.states import EventStatus
-from ledger.store import LEASE_NOT_HELD, FailureRecord, WorkerLedger
+from ledger.attempts import LEASE_NOT_HELD, FailureRecord, WorkerLedger
 from devkit.factories import event
 from devkit.procs import wait_until
 from workers.processor import Outcome

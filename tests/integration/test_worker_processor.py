@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ledger.store import WorkerLedger
+from ledger.attempts import WorkerLedger
 from devkit.factories import OLD_API, SubscriptionHistory, event, incoming
 from devkit.procs import run_together, wait_until
 from tests.support.workers import RecordingWaker, claim_one

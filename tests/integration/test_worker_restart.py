@@ -11,7 +11,8 @@ from ledger.config import Settings
 from ledger.db import ProcessPool
 from ledger.migrate import migrate
 from ledger.states import EventStatus
-from ledger.store import EventStore, FailureRecord, WorkerLedger
+from ledger.deliveries import EventStore
+from ledger.attempts import FailureRecord, WorkerLedger
 from devkit.factories import event, incoming
 from tests.support.workers import claim_one
 

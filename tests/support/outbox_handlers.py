@@ -67,7 +67,7 @@ def outbox_processor(kit, *, effects=("entitlements.changed", "invoice.payment_f
     """An in-process EventProcessor with senders 'configured' for ``effects`` (what enables if_configured emits)."""
     import dataclasses
 
-    from ledger.store import WorkerLedger
+    from ledger.attempts import WorkerLedger
     from workers.processor import EventProcessor
     from workers.registry import load_handlers
 

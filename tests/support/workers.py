@@ -85,12 +85,12 @@ class LedgerKit:
         return self._pools[key]
 
     def ledger(self, name: str = "test"):
-        from ledger.store import WorkerLedger
+        from ledger.attempts import WorkerLedger
 
         return WorkerLedger(self.pool(name))
 
     def store(self):
-        from ledger.store import EventStore
+        from ledger.deliveries import EventStore
 
         return EventStore(self.pool("receiver"))
 
@@ -99,7 +99,7 @@ class LedgerKit:
         """An EventProcessor on the pool ``name``; ``modules`` are the handler modules to load."""
         import dataclasses
 
-        from ledger.store import WorkerLedger
+        from ledger.attempts import WorkerLedger
         from workers.processor import EventProcessor
         from workers.registry import load_handlers
 

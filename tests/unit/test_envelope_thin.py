@@ -8,7 +8,7 @@ import pytest
 
 from devkit.factories import HEALTH_EVENT_TYPE, body_of, event, thin_notification
 from ingest.envelope import InvalidEvent, parse_event, parse_notification
-from ledger.store import IncomingEvent
+from ledger.deliveries import IncomingEvent
 
 T0 = 1_796_032_800  # 2026-11-30T10:00:00Z
 SUB = {"id": "sub_1Thin", "object": "subscription"}
