@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import stripe
 
 from devkit.stripe_api.resources import COLLECTIONS
-from ingest.envelope import THIN_OBJECT
+from ledger.stripe_events import THIN_OBJECT
 from workers.thin import HEALTH_GENERATION_FAILURE as HEALTH_EVENT_TYPE
 
 OLD_API = "2020-08-27"

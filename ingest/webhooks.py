@@ -22,7 +22,7 @@ from flask import Blueprint, Response, abort, current_app, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from ingest import metrics
-from ingest.envelope import InvalidEvent, parse_event, parse_notification
+from ledger.stripe_events import InvalidEvent, parse_event, parse_notification
 from ingest.signature import InvalidSignature, verify
 from ledger.errors import DatabaseUnavailable
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import stripe
 
-from ingest.envelope import THIN_OBJECT
+from ledger.stripe_events import THIN_OBJECT
 from ledger.config import Settings
 from ledger.attempts import Claim
 from workers.billing.mapping import is_deletion

@@ -1,4 +1,4 @@
-"""ingest.envelope.parse_notification: what the receiver records of a thin event notification, and every
+"""ledger.stripe_events.parse_notification: what the receiver records of a thin event notification, and every
 body it refuses (with a reason that never echoes a value of the body). Pure: no database, no server."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from devkit.factories import HEALTH_EVENT_TYPE, body_of, event, thin_notification
-from ingest.envelope import InvalidEvent, parse_event, parse_notification
+from ledger.stripe_events import InvalidEvent, parse_event, parse_notification
 from ledger.deliveries import IncomingEvent
 
 T0 = 1_796_032_800  # 2026-11-30T10:00:00Z

@@ -11,7 +11,7 @@ from devkit import factories
 from devkit.factories import (BASIL_API, CLOVER_API, DAHLIA_API, HEALTH_EVENT_TYPE, SubscriptionHistory, body_of,
                               health_event, incoming, object_path, related_object, sign, thin_notification, thin_twin,
                               v2_event)
-from ingest import envelope
+from ledger import stripe_events as envelope
 from workers import thin
 from workers.billing import mapping
 

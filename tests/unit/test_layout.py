@@ -5,6 +5,8 @@
 * The product never imports the development toolkit or the tests.
 * The product's modules import each other without a cycle (imports inside
   functions count: a cycle hidden in a method is still a cycle).
+* Its packages import downwards only: ledger, then workers, then ingest and ops
+  (which never import each other).
 """
 from __future__ import annotations
 
@@ -59,6 +61,18 @@ def test_the_only_installed_ops_module_is_the_cli():
 def test_a_product_module_never_imports_the_toolkit_or_the_tests(module):
     named = imports_of(installed_modules()[module])
     assert not {m for m in named if m.split(".")[0] in ("devkit", "tests")}
+
+
+# Each product package's place: a module imports only packages of a lower rank, and its own.
+PACKAGE_RANK = {"ledger": 0, "workers": 1, "ingest": 2, "ops": 2}
+
+
+@pytest.mark.parametrize("module", sorted(installed_modules()))
+def test_a_product_package_imports_only_the_packages_below_it(module):
+    own = module.split(".")[0]
+    named = {m.split(".")[0] for m in imports_of(installed_modules()[module])}
+    upward = {p for p in named if p in PACKAGE_RANK and p != own and PACKAGE_RANK[p] >= PACKAGE_RANK[own]}
+    assert not upward, f"{module} imports {sorted(upward)}: the order is ledger, workers, then ingest and ops"
 
 
 def test_the_product_imports_without_a_cycle():

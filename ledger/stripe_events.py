@@ -1,5 +1,7 @@
-"""Checking that a verified body is a Stripe event we can record: a snapshot event
-(``parse_event``) or a thin event notification (``parse_notification``).
+"""What a Stripe event looks like: checking that a verified body is a Stripe event we can
+record, a snapshot event (``parse_event``) or a thin event notification (``parse_notification``).
+The receiver parses deliveries with it and the workers read the same shapes (THIN_OBJECT):
+it sits in ledger/, below both, so neither imports the other's package for it.
 
 Pure: no IO (parsing a notification makes no API call). Errors say what is wrong
 without echoing any value from the body.
