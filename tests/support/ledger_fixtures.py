@@ -21,6 +21,7 @@ import redis
 from click.testing import CliRunner
 
 import ops.cli
+import ops.cli.base
 from devkit.factories import SubscriptionHistory, event
 from tests.support.handlers_for_tests import ensure_test_tables
 from tests.support.workers import LedgerKit, RecordingWaker, env_for
@@ -71,12 +72,12 @@ def ledgerctl_cli(broker_settings, monkeypatch):
     """
     contexts = []
 
-    class _ClosingContext(ops.cli._Context):
+    class _ClosingContext(ops.cli.base._Context):
         def __init__(self):
             super().__init__()
             contexts.append(self)
 
-    monkeypatch.setattr(ops.cli, "_Context", _ClosingContext)
+    monkeypatch.setattr(ops.cli.base, "_Context", _ClosingContext)
     env = env_for(broker_settings)
     base_env = {**{k: None for k in os.environ if k not in env}, **env}
 

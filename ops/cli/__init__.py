@@ -1,0 +1,37 @@
+"""ledgerctl: the operator's command line.
+
+Human tables by default, ``--json`` for scripts. Exit codes: 0 done, 1 the
+command ran but found nothing / not everything succeeded, 2 bad usage or
+configuration; ``catchup`` adds 3 (an unrecoverable gap) and 4 (another
+catch-up of the account is running).
+"""
+
+import sys
+
+import click
+
+from ledger.errors import ConfigError, LedgerError
+# Importing a command group's module registers its commands on ``cli``.
+from ops.cli import events, outbox, stripe  # noqa: F401
+from ops.cli.base import cli
+
+
+__all__ = ["cli", "main"]
+
+
+def main():
+    import logging
+
+    import psycopg
+    from psycopg_pool import PoolTimeout
+
+    # The pool's own reconnect warnings would bury the one line an operator needs.
+    logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
+    try:
+        cli(standalone_mode=True)
+    except (ConfigError, LedgerError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except (PoolTimeout, psycopg.OperationalError) as exc:
+        click.echo(f"error: the ledger database is unreachable ({type(exc).__name__})", err=True)
+        sys.exit(1)
