@@ -6,9 +6,10 @@ only move an event that nobody is working on. Statements are named SQL
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from ledger.db import ProcessPool
 from ledger.queries import SQL
@@ -87,6 +88,28 @@ class OperatorLedger:
                          {"id": event_id, "actor": actor, "reason": reason, "force": force})
         return rows[0]["from_status"] if rows else None
 
+
+    def replay_paced(self, event_ids: Iterable[str], *, actor: str, reason: str | None, force: bool,
+                     rate_per_s: float, wake: Callable[[str], Any]) -> tuple[list[dict[str, str]], list[str]]:
+        """``replay`` each event, at most ``rate_per_s`` a second, and ``wake`` each one replayed (after its
+        replay committed): a bulk replay feeds the workers at a pace, never a flood. The replayed, as
+        {"id", "from_status"}, and the ids skipped (``replay`` returned None)."""
+        replayed: list[dict[str, str]] = []
+        skipped: list[str] = []
+        interval = 1.0 / rate_per_s
+        next_at = time.monotonic()
+        for event_id in event_ids:
+            delay = next_at - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            next_at = max(next_at, time.monotonic()) + interval
+            from_status = self.replay(event_id, actor=actor, reason=reason, force=force)
+            if from_status is None:
+                skipped.append(event_id)
+                continue
+            wake(event_id)
+            replayed.append({"id": event_id, "from_status": from_status})
+        return replayed, skipped
     def count_prunable(self, *, older_than_s: float) -> int:
         return self._all(SQL.events_count_prunable, {"older_than_s": older_than_s})[0]["prunable"]
 

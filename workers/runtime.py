@@ -58,3 +58,19 @@ class Runtime:
     @cached_property
     def sweeper(self) -> Sweeper:
         return Sweeper(self.ledger, self.waker, self.celery, self.settings, outbox=self.outbox)
+
+
+def sweep_process(settings: Settings, *, operator=None, outbox: OutboxLedger | None = None) -> Sweeper:
+    """The sweep's process (``ledgerctl sweep``): JSON logs, its own Celery app and runtime, and, for a
+    process that runs for good (``operator`` given) with METRICS_PORT set, the Prometheus endpoint with the
+    ledger-wide gauges: the sweep is their natural home, one per deployment, always running."""
+    from ledger.logs import configure as configure_logging
+    from workers.app import make_celery
+
+    configure_logging()
+    runtime = Runtime(settings, make_celery(settings))
+    if operator is not None and settings.metrics_port:
+        from workers.metrics import serve
+
+        serve(settings.metrics_port, operator=operator, outbox=outbox or runtime.outbox)
+    return runtime.sweeper

@@ -4,7 +4,6 @@ from __future__ import annotations
 import getpass
 import socket
 import sys
-import time
 
 import click
 
@@ -154,22 +153,10 @@ def replay(obj: _Context, event_ids, bulk_status, type_glob, since, until, reaso
 
     actor = f"{getpass.getuser()}@{socket.gethostname()}"
     waker = obj.waker()
-    replayed, skipped = [], []
-    interval = 1.0 / rate
-    next_at = time.monotonic()
     with click.progressbar(ids, label="replaying", file=sys.stderr,
                            hidden=len(ids) < 100 or as_json) as bar:
-        for event_id in bar:
-            delay = next_at - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            next_at = max(next_at, time.monotonic()) + interval
-            from_status = obj.operator.replay(event_id, actor=actor, reason=why, force=force)
-            if from_status is None:
-                skipped.append(event_id)
-                continue
-            waker.wake(event_id)
-            replayed.append({"id": event_id, "from_status": from_status})
+        replayed, skipped = obj.operator.replay_paced(bar, actor=actor, reason=why, force=force, rate_per_s=rate,
+                                                      wake=waker.wake)
     if as_json:
         _echo_json({"replayed": replayed, "skipped": skipped})
     else:
@@ -192,21 +179,12 @@ def sweep(obj: _Context, loop: bool, as_json: bool):
     Safe to run in several replicas at once. With --loop and METRICS_PORT set,
     serves Prometheus metrics, including ledger gauges read from Postgres.
     """
-    from ledger.logs import configure as configure_logging
-    from workers.app import make_celery
-    from workers.runtime import Runtime
+    from workers.runtime import sweep_process
 
-    configure_logging()
-    runtime = Runtime(obj.settings, make_celery(obj.settings))
     if loop:
-        if obj.settings.metrics_port:
-            # The sweep is the natural home of ledger-wide gauges: one per deployment, always running.
-            from workers.metrics import serve
-
-            serve(obj.settings.metrics_port, operator=obj.operator, outbox=obj.outbox)
-        runtime.sweeper.run_forever()
+        sweep_process(obj.settings, operator=obj.operator, outbox=obj.outbox).run_forever()
         return
-    result = runtime.sweeper.run_once()
+    result = sweep_process(obj.settings).run_once()
     if as_json:
         _echo_json(result.__dict__)
     else:
