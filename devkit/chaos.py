@@ -73,7 +73,6 @@ import queue
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -261,14 +260,6 @@ class RabbitBroker:
     def describe(self) -> str:
         return f"rabbitmq vhost {self.vhost.name} on {self.vhost.host}:{self.vhost.port}"
 
-    def _ctl(self, *args: str) -> str:
-        done = subprocess.run(["rabbitmqctl", "-s", *args], capture_output=True, text=True, timeout=120,
-                              stdin=subprocess.DEVNULL)
-        if done.returncode:
-            raise RuntimeError(f"rabbitmqctl {' '.join(args)}: exit {done.returncode}: "
-                               f"{(done.stderr or done.stdout).strip()[-500:]}")
-        return done.stdout
-
     def start(self) -> None:
         self.vhost.create()
 
@@ -277,31 +268,20 @@ class RabbitBroker:
         exclusive remote-control mailboxes, which only their own connection may touch) lose the
         messages waiting in them; connections, consumers and the messages workers hold unacked stay
         (see the module's docstring). Done over AMQP, without rabbitmqctl (slow on a busy machine)."""
-        import amqp
-
-        with amqp.Connection(f"{self.vhost.host}:{self.vhost.port}", userid=self.vhost.user,
-                             password=self.vhost.password, virtual_host=self.vhost.name,
-                             connect_timeout=5) as conn:
-            for queue_name in self.queues:
-                channel = conn.channel()
-                try:
-                    channel.queue_purge(queue_name)
-                except amqp.exceptions.NotFound:
-                    continue  # not declared yet (the broker closed the channel)
-                channel.close()
+        self.vhost.purge(self.queues)
 
     def restart(self, outage_s: float) -> None:
         """A server restart as seen from the vhost: every connection closed, new ones refused for
         outage_s (or as long as closing them takes, and then while rabbitmqctl lifts the limit: each
         call takes a second or more, several on a busy machine), then accepted again; the queues keep
         their messages, and the unacked ones go back to their queue."""
-        self._ctl("set_vhost_limits", "-p", self.vhost.name, json.dumps({"max-connections": 0}))
+        self.vhost.ctl("set_vhost_limits", "-p", self.vhost.name, json.dumps({"max-connections": 0}))
         refused_since = time.monotonic()
         try:
-            self._ctl("close_all_connections", "-p", self.vhost.name, "chaos: broker restart")
+            self.vhost.ctl("close_all_connections", "-p", self.vhost.name, "chaos: broker restart")
             time.sleep(max(0.0, refused_since + outage_s - time.monotonic()))
         finally:
-            self._ctl("clear_vhost_limits", "-p", self.vhost.name)
+            self.vhost.ctl("clear_vhost_limits", "-p", self.vhost.name)
 
     def stop(self) -> None:
         self.vhost.drop()

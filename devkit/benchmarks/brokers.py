@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from devkit.servers import purge_amqp_queues
+
 BROKERS = ("redis", "amqp")
 LABELS = {"redis": "Redis", "amqp": "RabbitMQ"}
 
@@ -31,14 +33,7 @@ def purge(broker: str, url: str, queue: str) -> None:
 
         drop_queue(url, queue)
         return
-    from kombu import Connection
-
-    with Connection(url, connect_timeout=10) as conn:
-        channel = conn.channel()
-        try:
-            channel.queue_purge(queue)
-        except conn.channel_errors:  # the queue does not exist yet: nothing to drop
-            pass
+    purge_amqp_queues(url, [queue])
 
 
 def push_wakeups(broker: str, url: str, queue: str, event_ids: list[str]) -> None:
