@@ -133,6 +133,12 @@ class WorkerLedger:
         of its snapshot twin (event_record_snapshot_twin)."""
         conn.execute(SQL.event_record_snapshot_twin, {"event_id": event_id, "snapshot_event_id": snapshot_event_id})
 
+    @staticmethod
+    def record_health_alert(conn: psycopg.Connection, alert: dict[str, Any]) -> bool:
+        """In the apply transaction (``conn``): Stripe's health alert and its repair (health_alert_record).
+        False when an earlier attempt of the same notification recorded it."""
+        return conn.execute(SQL.health_alert_record, alert).fetchone() is not None
+
     def mark_lease_lost(self, claim: Claim, detail: str) -> None:
         run_statement(self._pool, SQL.attempt_mark_lease_lost,
                       {"id": claim.event_id, "attempt": claim.attempt, "error": detail})

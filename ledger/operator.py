@@ -64,13 +64,15 @@ class OperatorLedger:
         return self._all(SQL.events_list, {**where.params(), "limit": limit})
 
     def show(self, event_id: str) -> dict[str, Any] | None:
+        """The event's row, deliveries, attempts, audit, and the snapshot events a thin notification was
+        applied under (the ids its business rows carry: workers.billing.reads reads those rows)."""
         params = {"id": event_id}
         rows = self._all(SQL.event_get, params)
         if not rows:
             return None
         return {"event": rows[0], "deliveries": self._all(SQL.event_deliveries, params)[0],
                 "attempts": self._all(SQL.event_attempts, params), "audit": self._all(SQL.event_audit, params),
-                "domain_rows": self._all(SQL.event_domain_rows, params)}
+                "snapshot_twins": [row["snapshot_event_id"] for row in self._all(SQL.event_snapshot_twins, params)]}
 
     def ids_for_replay(self, where: EventFilter, *, page: int = 500) -> Iterator[str]:
         after = ""

@@ -18,7 +18,7 @@ that became listable late, are recorded, and the same events are not recorded ag
 every run. A run filtered by type or by ``delivery_success=false`` covers only part of
 the range and leaves the cursor alone.
 
-One run per account at a time: a session advisory lock, held on a connection of its
+One run per account at a time (ledger/catchup.py): a session advisory lock, held on a connection of its
 own that stays idle (no transaction) while the run calls Stripe. The second run gets
 ``CatchupBusy`` and does nothing. If that connection broke mid-run another run could
 start; the dedupe still records nothing twice and the cursor never moves backwards.
@@ -38,13 +38,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, ContextManager, Iterable, Sequence
 
-import psycopg
-
+from ledger.catchup import CatchupBusy, CatchupLedger
 from ledger.config import Settings
 from ledger.db import ProcessPool
-from ledger.errors import LedgerError
-from ledger.queries import SQL
-from ledger.statements import run_statement
 from ledger.deliveries import EventStore, IncomingEvent
 from workers import metrics
 from workers.stripe_api import StripeApi
@@ -58,10 +54,6 @@ CURSOR_EVERY = 100                 # move the cursor after this many recorded ev
 EVENTS_PATH = "/v1/events"
 
 Progress = Callable[[Sequence[dict]], ContextManager[Iterable[dict]]]
-
-
-class CatchupBusy(LedgerError):
-    """Another catch-up of the same account holds its lock."""
 
 
 @dataclass(frozen=True)
@@ -135,20 +127,19 @@ class CatchUp:
     def __init__(self, settings: Settings, pool: ProcessPool, api: StripeApi, waker, *,
                  store: EventStore | None = None):
         self._settings = settings
-        self._pool = pool
         self._api = api
         self._waker = waker
         self._store = store or EventStore(pool)
+        self._ledger = CatchupLedger(settings, pool)
 
     def run(self, request: CatchupRequest, *, progress: Progress | None = None) -> CatchupReport:
         key = request.account or ""
-        with contextlib.nullcontext() if request.dry_run else self._locked(key):
+        with contextlib.nullcontext() if request.dry_run else self._ledger.locked(key):
             return self._run(request, key, progress or contextlib.nullcontext)
 
     def accounts(self) -> list[str | None]:
         """The platform, then every connected account that has a cursor (what the periodic catch-up covers)."""
-        keys = [row["account"] for row in run_statement(self._pool, SQL.catchup_cursor_accounts)]
-        return [None] + [k for k in keys if k]
+        return [None] + [key for key in self._ledger.accounts() if key]
 
     def _run(self, request: CatchupRequest, key: str, progress: Progress) -> CatchupReport:
         plan = self._plan(request, key)
@@ -156,26 +147,26 @@ class CatchUp:
         events = self._list(request, plan.start)  # no connection of ours is in a transaction meanwhile
         report.listed = len(events)
         if request.dry_run:
-            known = self._known_ids([e["id"] for e in events])
+            known = self._ledger.known_ids([e["id"] for e in events])
             report.missed = sum(e["id"] not in known for e in events)
             report.duplicates = report.listed - report.missed
             return report
         if request.from_cursor and plan.position is not None:
-            behind = self._known_ids([e["id"] for e in events if _created(e) <= plan.position])
+            behind = self._ledger.known_ids([e["id"] for e in events if _created(e) <= plan.position])
             events = [e for e in events if e["id"] not in behind]
-        brought_thin = self._known_ids([e["id"] for e in events], SQL.catchup_snapshot_twin_ids)
+        brought_thin = self._ledger.snapshot_twin_ids([e["id"] for e in events])
         events = [e for e in events if e["id"] not in brought_thin]
         report.skipped = report.listed - len(events)
         self._record(events, request.account, key, report, moves_cursor=plan.moves_cursor, progress=progress)
         if plan.moves_cursor:
-            run_statement(self._pool, SQL.catchup_cursor_record_run, {"account": key, "found": report.missed})
-            report.cursor = _plain_cursor(self._cursor(key))
+            self._ledger.record_run(key, found=report.missed)
+            report.cursor = _plain_cursor(self._ledger.cursor(key))
         self._log(key, report)
         return report
 
     def _plan(self, request: CatchupRequest, key: str) -> "_Plan":
         now = datetime.now(timezone.utc)
-        cursor = self._cursor(key)
+        cursor = self._ledger.cursor(key)
         position = cursor["last_event_created"] if cursor else None
         gap = None
         if request.from_cursor:
@@ -216,12 +207,12 @@ class CatchUp:
                     if delivery.needs_wakeup and self._waker.wake(evt["id"]):
                         report.woken += 1
                     if moves_cursor and n % CURSOR_EVERY == 0:
-                        self._advance(key, last)
+                        self._ledger.advance(key, last["id"], _created(last))
         finally:
             report.missed = sum(missed.values())
             report.missed_by_type = dict(missed)
             if moves_cursor and last is not None:
-                self._advance(key, last)
+                self._ledger.advance(key, last["id"], _created(last))
 
     def _log(self, key: str, report: CatchupReport) -> None:
         fields = {"account": key or "platform", "listed": report.listed, "recorded": report.recorded,
@@ -266,46 +257,9 @@ class CatchUp:
                              account=evt.get("account") or account,
                              payload=json.dumps(evt, separators=(",", ":")), source="catchup")
 
-    def _cursor(self, key: str) -> dict | None:
-        rows = run_statement(self._pool, SQL.catchup_cursor_get, {"account": key})
-        return rows[0] if rows else None
-
-    def _advance(self, key: str, evt: dict) -> None:
-        run_statement(self._pool, SQL.catchup_cursor_advance_if_newer,
-                      {"account": key, "event_id": evt["id"], "event_created": _created(evt)})
-
-    def _known_ids(self, ids: list[str], sql: str = SQL.catchup_known_event_ids) -> set[str]:
-        """Which of ``ids`` the ledger has (``sql``: catchup_known_event_ids, or catchup_snapshot_twin_ids)."""
-        known: set[str] = set()
-        for at in range(0, len(ids), 1000):
-            rows = run_statement(self._pool, sql, {"ids": ids[at:at + 1000]})
-            known.update(row["id"] for row in rows)
-        return known
-
-    @contextlib.contextmanager
-    def _locked(self, key: str):
-        conn = psycopg.connect(self._settings.database_url, autocommit=True,
-                               connect_timeout=max(1, int(self._settings.db_pool_timeout_s)),
-                               application_name="ledger-catchup")
-        try:
-            if not conn.execute(SQL.catchup_lock_try, {"account": key}).fetchone()[0]:
-                raise CatchupBusy(f"another catch-up of {_account_name(key)} is running (it holds the advisory "
-                                  f"lock); nothing was done")
-            try:
-                yield
-            finally:
-                with contextlib.suppress(psycopg.Error):
-                    conn.execute(SQL.catchup_unlock, {"account": key})
-        finally:
-            conn.close()
-
 
 def _created(evt: dict) -> datetime:
     return datetime.fromtimestamp(int(evt["created"]), tz=timezone.utc)
-
-
-def _account_name(key: str | None) -> str:
-    return f"account {key}" if key else "the platform"
 
 
 def _plain_cursor(row: dict | None) -> dict | None:

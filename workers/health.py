@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from datetime import datetime
 
-from ledger.queries import SQL
+from ledger.attempts import WorkerLedger
 from workers import metrics
 from workers.billing.snapshots import apply_object
 from workers.handlers import ApplyContext, handler
@@ -44,7 +44,7 @@ def apply_generation_failure(ctx: ApplyContext) -> None:
              "account": fetched.get("account"), "livemode": ctx.livemode, "severity": _text(data.get("severity")),
              "summary": _text(data.get("summary")), "resolved_at": _time(data.get("resolved_at")),
              "repair": fetched.get("outcome") or "unsupported_object_type"}
-    if ctx.conn.execute(SQL.health_alert_record, alert).fetchone() is not None:
+    if WorkerLedger.record_health_alert(ctx.conn, alert):
         ctx.on_commit(lambda: _announce(alert))
 
 

@@ -28,10 +28,9 @@ from datetime import datetime
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ledger.db import ProcessPool
-from ledger.queries import SQL
-from ledger.statements import run_statement
 from workers.backfill import Backfill, RowOwnedElsewhere
 from workers.billing import mapping
+from workers.billing.reads import BillingReads
 from workers.failures import PermanentError, UnmappablePayload
 from workers.stripe_api import Collection, StripeApi
 
@@ -40,16 +39,14 @@ AMOUNT_FIELDS = {"amount", "amount_due", "amount_paid", "amount_received", "amou
                  "currency"}
 
 # Typed tables: the columns compared, and how Stripe's object maps to them (the handlers' mapping).
-_Typed = tuple[str, tuple[str, ...], Callable[[Mapping], dict]]
+_Typed = tuple[tuple[str, ...], Callable[[Mapping], dict]]
 TYPED: dict[str, _Typed] = {
-    "customers": ("reconcile_customers", ("email", "name", "deleted"),
+    "customers": (("email", "name", "deleted"),
                   lambda obj: mapping.customer_row(obj, deleted=False)),
-    "subscriptions": ("reconcile_subscriptions",
-                      ("status", "customer_id", "price_id", "quantity", "cancel_at_period_end",
+    "subscriptions": (("status", "customer_id", "price_id", "quantity", "cancel_at_period_end",
                        "current_period_start", "current_period_end"),
                       lambda obj: mapping.subscription_row(obj)),
-    "invoices": ("reconcile_invoices",
-                 ("status", "customer_id", "subscription_id", "amount_due", "amount_paid", "currency",
+    "invoices": (("status", "customer_id", "subscription_id", "amount_due", "amount_paid", "currency",
                   "period_start", "period_end", "deleted"),
                  lambda obj: {**mapping.invoice_row(obj), "deleted": obj.get("deleted") is True}),
 }
@@ -102,9 +99,9 @@ class ReconcileResult:
 
 class Reconcile:
     def __init__(self, pool: ProcessPool, api: StripeApi):
-        self._pool = pool
         self._api = api
         self._backfill = Backfill(pool, api)
+        self._billing = BillingReads(pool)
 
     def compare(self, collections: Sequence[Collection], *, account: str | None = None) -> ReconcileResult:
         result = ReconcileResult(account)
@@ -156,11 +153,10 @@ class Reconcile:
         return result
 
     def _local(self, collection: Collection, account: str | None) -> dict[str, dict]:
-        params = {"account": account or "", "livemode": self._api.livemode}
         if collection.name in TYPED:
-            rows = run_statement(self._pool, SQL[TYPED[collection.name][0]], params)
+            rows = self._billing.typed_rows(collection.name, account=account, livemode=self._api.livemode)
         else:
-            rows = run_statement(self._pool, SQL.reconcile_objects, {**params, "object_type": collection.object})
+            rows = self._billing.mirrored_rows(collection.object, account=account, livemode=self._api.livemode)
         return {row["id"]: row for row in rows}
 
 
@@ -176,7 +172,7 @@ def _kind(field_name: str) -> str:
 
 def _field_drift(collection: Collection, object_id: str, row: dict, obj: dict) -> list[Drift]:
     if collection.name in TYPED:
-        _, fields, to_row = TYPED[collection.name]
+        fields, to_row = TYPED[collection.name]
         try:
             expected = to_row(obj)
         except UnmappablePayload as exc:

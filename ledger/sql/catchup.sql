@@ -1,6 +1,6 @@
--- Catch-up, backfill and reconcile (workers/catchup.py, backfill.py, reconcile.py): the
--- statements they add. Catch-up records events through the receiver's own statement
--- (event_record_delivery, events.sql); what is here is its cursor, its lock, and reads.
+-- Catch-up (ledger/catchup.py, run by workers/catchup.py): its cursor, its lock, and which
+-- listed events the ledger already has. It records events through the receiver's own
+-- statement (event_record_delivery, events.sql).
 
 -- name: catchup_lock_try
 -- Catch-up: take the session lock of one account's catch-up, on a connection kept for
@@ -54,36 +54,3 @@ SELECT snapshot_event_id FROM ledger.snapshot_twins WHERE snapshot_event_id = AN
 -- Catch-up: which of these (snapshot) event ids a thin notification already brought, as its
 -- snapshot twin: not recorded again (the change is in the ledger under the notification's id).
 SELECT snapshot_event_id AS id FROM ledger.snapshot_twins WHERE snapshot_event_id = ANY(%(ids)s)
-
-
--- Reconcile: read-only views of the billing tables for one account ('' = platform,
--- stored as NULL) and mode (NULL: both). The writes stay with the billing handlers
--- and workers/billing/snapshots.py.
-
--- name: reconcile_customers
-SELECT id, email, name, deleted
-  FROM billing.customers
- WHERE account IS NOT DISTINCT FROM nullif(%(account)s, '')
-   AND (%(livemode)s::boolean IS NULL OR livemode = %(livemode)s)
-
--- name: reconcile_subscriptions
-SELECT id, customer_id, status, price_id, quantity, cancel_at_period_end,
-       current_period_start, current_period_end, false AS deleted
-  FROM billing.subscriptions
- WHERE account IS NOT DISTINCT FROM nullif(%(account)s, '')
-   AND (%(livemode)s::boolean IS NULL OR livemode = %(livemode)s)
-
--- name: reconcile_invoices
-SELECT id, customer_id, subscription_id, status, amount_due, amount_paid, currency,
-       period_start, period_end, deleted
-  FROM billing.invoices
- WHERE account IS NOT DISTINCT FROM nullif(%(account)s, '')
-   AND (%(livemode)s::boolean IS NULL OR livemode = %(livemode)s)
-
--- name: reconcile_objects
--- The generic mirror's rows of one object type (obj["object"]: charge, checkout.session, ...).
-SELECT id, data, deleted
-  FROM billing.objects
- WHERE object_type = %(object_type)s
-   AND account IS NOT DISTINCT FROM nullif(%(account)s, '')
-   AND (%(livemode)s::boolean IS NULL OR livemode = %(livemode)s)

@@ -44,25 +44,9 @@ SELECT count(*) AS deliveries, min(delivered_at) AS first_delivered_at, max(deli
   FROM ledger.deliveries
  WHERE event_id = %(id)s
 
--- name: event_domain_rows
--- Business rows whose current state this event wrote, and its transition record. A thin
--- notification applied under its snapshot twin's id wrote them under that id.
-WITH ids AS (
-    SELECT %(id)s::text AS id
-    UNION
-    SELECT snapshot_event_id FROM ledger.snapshot_twins WHERE event_id = %(id)s
-)
-SELECT 'billing.customers' AS table_name, id AS row_id FROM billing.customers WHERE source_event_id IN (SELECT id FROM ids)
-UNION ALL
-SELECT 'billing.subscriptions', id FROM billing.subscriptions WHERE source_event_id IN (SELECT id FROM ids)
-UNION ALL
-SELECT 'billing.invoices', id FROM billing.invoices WHERE source_event_id IN (SELECT id FROM ids)
-UNION ALL
-SELECT 'billing.checkout_sessions', id FROM billing.checkout_sessions WHERE source_event_id IN (SELECT id FROM ids)
-UNION ALL
-SELECT 'billing.subscription_transitions', subscription_id || ' ' || coalesce(from_status, '∅') || ' -> ' || to_status
-       || CASE WHEN applied THEN '' ELSE ' (stale, not applied)' END
-  FROM billing.subscription_transitions WHERE event_id IN (SELECT id FROM ids)
+-- name: event_snapshot_twins
+-- The snapshot events a thin notification was applied under: its business rows carry their ids.
+SELECT snapshot_event_id FROM ledger.snapshot_twins WHERE event_id = %(id)s ORDER BY snapshot_event_id
 
 -- name: events_select_for_replay
 -- Bulk replay, keyset-paginated by id so a long run neither skips nor repeats rows.

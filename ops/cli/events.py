@@ -85,13 +85,18 @@ def events_list(obj: _Context, status, type_glob, since, until, limit, as_json):
 @click.pass_obj
 def events_show(obj: _Context, event_id: str, as_json: bool):
     """One event: its row, deliveries, attempts with errors, operator actions, business rows it wrote."""
+    from workers.billing.reads import BillingReads
+
     detail = _found(obj.operator.show(event_id), f"no event {event_id}")
+    detail["domain_rows"] = BillingReads(obj.pool).rows_written_by([event_id, *detail["snapshot_twins"]])
     if as_json:
         _echo_json(detail)
         return
     for key, value in detail["event"].items():
         click.echo(f"{key:18} {'' if value is None else _plain(value)}")
     click.echo(f"{'last delivered':18} {_plain(detail['deliveries']['last_delivered_at'])}")
+    if detail["snapshot_twins"]:
+        click.echo(f"{'applied as':18} {', '.join(detail['snapshot_twins'])} (its snapshot twin)")
     click.echo("\nattempts")
     _table(detail["attempts"], ["attempt", "worker", "started_at", "finished_at", "outcome", "error_class", "error"])
     if detail["audit"]:

@@ -87,7 +87,7 @@ def test_events_show_json_has_the_row_deliveries_attempts_with_errors_audit_and_
     done = run_ledgerctl(broker_settings, "events", "show", rejected, "--json")
     assert done.returncode == 0, done.stderr
     shown = json.loads(done.stdout)
-    assert set(shown) == {"event", "deliveries", "attempts", "audit", "domain_rows"}
+    assert set(shown) == {"event", "deliveries", "attempts", "audit", "snapshot_twins", "domain_rows"}
     assert shown["event"]["id"] == rejected and shown["event"]["status"] == "failed_permanent"
     assert shown["event"]["failure_reason"] == "rejected_by_handler"
     assert "payload" not in shown["event"]

@@ -77,6 +77,17 @@ def test_a_product_package_imports_only_the_packages_below_it(module):
     assert not upward, f"{module} imports {sorted(upward)}: the order is ledger, workers, then ingest and ops"
 
 
+# The ledger's door: its statement runner and its SQL registry, used by its classes alone. The devkit's
+# benchmarks read the registry's text on purpose, to time and explain the ledger's own statements.
+LEDGER_INTERNALS = {"ledger.statements", "ledger.statements.run_statement", "ledger.queries.SQL"}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in installed_modules() if m.split(".")[0] != "ledger"))
+def test_only_the_ledger_runs_statements_on_the_ledger(module):
+    reached = imports_of(installed_modules()[module]) & LEDGER_INTERNALS
+    assert not reached, f"{module} imports {sorted(reached)}: statements on ledger.* go through a ledger class"
+
+
 def test_the_product_imports_without_a_cycle():
     modules = installed_modules()
     graph = {name: {m for m in imports_of(path) if m in modules and m != name} for name, path in modules.items()}
