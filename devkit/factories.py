@@ -27,7 +27,7 @@ import stripe
 
 from devkit.stripe_api.resources import COLLECTIONS
 from ledger.stripe_events import THIN_OBJECT
-from workers.thin import HEALTH_GENERATION_FAILURE as HEALTH_EVENT_TYPE
+from ledger.stripe_events import HEALTH_GENERATION_FAILURE as HEALTH_EVENT_TYPE
 
 OLD_API = "2020-08-27"
 BASIL_API = "2025-03-31.basil"

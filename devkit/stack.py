@@ -1,4 +1,4 @@
-"""The product's own processes, started as README runs them: receiver, workers, sweep.
+"""The product's own processes, started as docs/configuration.md runs them: receiver, workers, sweep.
 
 Each is a ``devkit.procs.Process`` (a process group of its own, a log file).
 The environment they get comes from ``stack_env``: the variables the pipeline
@@ -50,9 +50,9 @@ def http_request(port: int, method: str, path: str, body: bytes | None = None,
         conn.close()
 
 
-# The WSGI servers the receiver can run under: the first is README's command, the second README's
+# The WSGI servers the receiver can run under: the first is the documented command (docs/configuration.md), the second its
 # alternative (SUPPORTED_RECEIVER_SERVERS: the e2e tests run both). granian is here to be measured
-# (ops/bench --receiver granian) and its framing tested, not run: README, "Running it", says why.
+# (ops/bench --receiver granian) and its framing tested, not run: docs/configuration.md, "Running it", says why.
 RECEIVER_SERVERS = ("gunicorn-gthread", "gunicorn-sync", "granian")
 SUPPORTED_RECEIVER_SERVERS = RECEIVER_SERVERS[:2]
 DEFAULT_RECEIVER_SERVER = RECEIVER_SERVERS[0]
@@ -63,7 +63,7 @@ DEFAULT_THREADS = {"gunicorn-sync": 1, "gunicorn-gthread": 16, "granian": 16}
 
 def receiver_command(server: str, *, host: str, port: int, workers: int, threads: int | None = None,
                      extra_args: tuple[str, ...] = ()) -> list[str]:
-    """The receiver's command line under ``server`` (one of RECEIVER_SERVERS), as README runs it."""
+    """The receiver's command line under ``server`` (one of RECEIVER_SERVERS), as docs/configuration.md runs it."""
     if server not in RECEIVER_SERVERS:
         raise ValueError(f"unknown receiver server {server!r}: choose one of {', '.join(RECEIVER_SERVERS)}")
     if server == "gunicorn-sync" and (threads or 1) > 1:
@@ -161,7 +161,7 @@ class Worker(Process):
 
 
 class ReadmeWorker(Worker):
-    """``celery -A workers worker --concurrency N`` as README runs it: every queue, Celery's own
+    """``celery -A workers worker --concurrency N`` as docs/configuration.md runs it: every queue, Celery's own
     log level (WARNING, so no line per task), mingle, gossip and heartbeats on. Only a node
     name is added (two workers on one host need distinct ones).
 

@@ -1,7 +1,9 @@
 """What a Stripe event looks like: checking that a verified body is a Stripe event we can
-record, a snapshot event (``parse_event``) or a thin event notification (``parse_notification``).
-The receiver parses deliveries with it and the workers read the same shapes (THIN_OBJECT):
-it sits in ledger/, below both, so neither imports the other's package for it.
+record, a snapshot event (``parse_event``) or a thin event notification (``parse_notification``),
+and the rules of its type: a thin notification's (``is_thin``), the v1 thin type and the
+snapshot type its handlers take (``handler_type``), the v2 namespace (``is_v2``), Stripe's
+health alert, and what a deletion is (``is_deletion``). The receiver, the workers and the
+operator CLI read the same shapes: it sits in ledger/, below all of them.
 
 Pure: no IO (parsing a notification makes no API call). Errors say what is wrong
 without echoing any value from the body.
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 from datetime import datetime
+from typing import Any, Mapping
 
 import stripe
 from stripe.v2.core import EventNotification
@@ -28,10 +31,39 @@ _LABEL = re.compile(r"[\x20-\x7e]{1,255}")
 _API_PATH = re.compile(r"/v1/[A-Za-z0-9_]+(?:/[A-Za-z0-9_.-]+)+")
 # The ``object`` of a thin notification (and of the v2 event it points at).
 THIN_OBJECT = "v2.core.event"
+# A thin notification of a v1 object change: ``v1.<the snapshot type>``, with a related_object.
+V1_PREFIX = "v1."
+# Events of Stripe's v2 namespace carry no v1 object: only handlers of that namespace take them.
+V2_PREFIX = "v2."
+# Stripe failed to generate an event (it is never delivered nor listed); data.impact names the object.
+HEALTH_GENERATION_FAILURE = "v2.core.health.event_generation_failure.resolved"
+# The one *.deleted type whose object still exists at Stripe: a canceled subscription
+# (status canceled) that the API keeps returning.
+_NOT_A_DELETION = frozenset({"customer.subscription.deleted"})
 
 
 class InvalidEvent(LedgerError):
     """The body is not a Stripe event object."""
+
+
+def is_thin(payload: Mapping[str, Any]) -> bool:
+    """A recorded payload that is a thin notification: the worker fetches what it points at."""
+    return payload.get("object") == THIN_OBJECT
+
+
+def handler_type(event_type: str) -> str:
+    """The type whose handlers apply an event: a v1 thin notification's snapshot type, else its own."""
+    return event_type.removeprefix(V1_PREFIX)
+
+
+def is_v2(event_type: str) -> bool:
+    return event_type.startswith(V2_PREFIX)
+
+
+def is_deletion(event_type: str | None, obj: Mapping[str, Any]) -> bool:
+    """Whether the object is gone at Stripe: a *.deleted event, or an object that says so."""
+    return obj.get("deleted") is True or (
+        event_type is not None and event_type.endswith(".deleted") and event_type not in _NOT_A_DELETION)
 
 
 def parse_event(body: bytes) -> IncomingEvent:
@@ -83,7 +115,7 @@ def parse_notification(body: bytes) -> IncomingEvent:
     # Our own checks first, so the most likely mistakes get their own reason rather than the library's
     # refusal (its class of a v1 type reads related_object too).
     created = _iso_seconds(data.get("created"))
-    if event_type.startswith("v1."):
+    if event_type.startswith(V1_PREFIX):
         _related_object(data.get("related_object"))
     context = data.get("context")
     _no_nul(context=context)

@@ -6,7 +6,7 @@ upserts, and the generic mirror billing.objects). Its ordering key is its fetch
 time (the second its page was requested, less a margin: workers/stripe_api.py) and
 'api_fetch'. So a snapshot never overwrites the state of an event created in that
 second or later, and an event created before it, arriving later, never overwrites
-the snapshot (README, "Fetched objects and the order guard").
+the snapshot (docs/stripe-api.md, "Fetched objects and the order guard").
 
 No transaction is open while a page is fetched: a page can take minutes to come
 under a rate limit, and the rows it will write are not locked meanwhile.

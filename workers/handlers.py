@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple, Union
 import psycopg
 
 from ledger.outbox import record
+from ledger.stripe_events import is_v2
 from workers.failures import UnmappablePayload
 
 
@@ -119,8 +120,6 @@ class Registration(NamedTuple):
 
 # Where a module's @handler declarations are kept: in the module's own namespace.
 _DECLARED = "__ledger_handlers__"
-# A v2 event (thin, e.g. v2.core.health.*) carries no v1 object: only patterns of its own namespace take it.
-_V2 = "v2."
 
 
 def alternatives(requirement: Requirement) -> tuple[str, ...]:
@@ -191,7 +190,8 @@ def _requirements(requires: Iterable[Requirement]) -> tuple[Requirement, ...]:
 
 
 def _matches(event_type: str, pattern: str) -> bool:
-    if event_type.startswith(_V2) and not pattern.startswith(_V2):
+    # A v2 event (thin, e.g. v2.core.health.*) carries no v1 object: only patterns of its own namespace take it.
+    if is_v2(event_type) and not is_v2(pattern):
         return False  # neither "*" nor any other wildcard takes a v2 event (workers.registry)
     return fnmatch.fnmatchcase(event_type, pattern)
 

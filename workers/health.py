@@ -8,7 +8,7 @@ as a fetched snapshot (workers/billing/snapshots.py: the same mapping and order 
 backfill, keyed by the fetch's time, never by an event that does not exist) and the alert
 is recorded in ledger.health_alerts, once per notification. After the COMMIT: one warning
 log line ("stripe failed to generate an event") and ``stripe_health_alerts_total``, both
-for operators to alert on (README, "Health alerts").
+for operators to alert on (docs/destinations.md, "Health alerts").
 
 An object of a type the worker cannot retrieve, or one Stripe no longer has, is recorded
 with that repair (``unsupported_object_type``, ``object_not_found``) and the event is
@@ -20,10 +20,10 @@ import logging
 from datetime import datetime
 
 from ledger.attempts import WorkerLedger
+from ledger.stripe_events import HEALTH_GENERATION_FAILURE
 from workers import metrics
 from workers.billing.snapshots import apply_object
 from workers.handlers import ApplyContext, handler
-from workers.thin import HEALTH_GENERATION_FAILURE
 
 log = logging.getLogger(__name__)
 

@@ -37,6 +37,7 @@ import psycopg
 from ledger.config import Settings
 from ledger.errors import LeaseLost
 from ledger.states import EventStatus
+from ledger import stripe_events
 from ledger.attempts import ApplyTransaction, BatchLost, Claim, FailureRecord, WorkerLedger
 from workers import metrics, thin
 from workers.attempt import LeasedWork, outcomes
@@ -210,7 +211,7 @@ class EventProcessor(LeasedWork):
         return Outcome.NOT_CLAIMED
 
     def _refusal(self, claim: Claim) -> Failure | None:
-        if not self.registry.resolve(thin.handler_type(claim.type)):
+        if not self.registry.resolve(stripe_events.handler_type(claim.type)):
             # Decided before any business write or API call: no handler, nothing to retry.
             return Failure(Kind.PERMANENT, "unsupported_type", "UnsupportedType",
                            f"no handler for event type {claim.type}")
@@ -219,7 +220,7 @@ class EventProcessor(LeasedWork):
     def _fetch(self, claim: Claim) -> Applied | Failure:
         """The event the claim's handlers take: a snapshot event as delivered, a thin notification's
         object or v2 event fetched now (no transaction is open); a failed fetch, classified."""
-        if not thin.is_thin(claim.payload):
+        if not stripe_events.is_thin(claim.payload):
             return thin.applied(claim)
         try:
             if self.fetcher is None:
@@ -231,7 +232,7 @@ class EventProcessor(LeasedWork):
     def _fetch_all(self, claims: list[Claim]) -> dict[str, Applied | Failure]:
         """``_fetch`` of every claim, by event id; a batch's thin notifications up to fetch_concurrency at
         once, in threads of this process (each fetch only waits on Stripe)."""
-        thin_claims = [claim for claim in claims if thin.is_thin(claim.payload)]
+        thin_claims = [claim for claim in claims if stripe_events.is_thin(claim.payload)]
         if len(thin_claims) < 2 or self.fetch_concurrency < 2:
             return {claim.event_id: self._fetch(claim) for claim in claims}
         if self._fetch_threads is None:

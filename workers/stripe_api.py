@@ -18,7 +18,7 @@ under the order guard) is when its request was sent, less ``CLOCK_MARGIN``: neve
 later than Stripe read them. The arrival time would not do: an object read at
 10.9 s, changed at 10.95 s (its event created in second 10), whose answer arrives
 at 11.0 s, would carry key 11 and win over the newer event. An earlier key is
-always safe (README, "Fetched objects and the order guard"); the margin covers our
+always safe (docs/stripe-api.md, "Fetched objects and the order guard"); the margin covers our
 clock running ahead of Stripe's.
 
 Nothing here touches Postgres. Callers never hold a transaction (or a pooled

@@ -13,8 +13,8 @@ event its handlers take (``Applied``):
   styles subscribed, or catch-up listing it) writes the same rows, transitions and effects
   once. For a deletion (``v1.invoice.deleted``) a 404 is the answer expected: the object
   becomes Stripe's deleted stub (id, object, ``deleted: true``). The object is at least as new as
-  the notification: an older key on newer data is the safe direction (README, "Fetched
-  objects and the order guard"), and a later notification of the same object carries a
+  the notification: an older key on newer data is the safe direction (docs/stripe-api.md,
+  "Fetched objects and the order guard"), and a later notification of the same object carries a
   later key.
 * ``v2.*`` types: the v2 event (``/v2/core/events/{id}``), its ``data`` as it is. For
   ``v2.core.health.event_generation_failure.resolved`` also the object whose event Stripe
@@ -38,16 +38,13 @@ from typing import Any
 
 import stripe
 
-from ledger.stripe_events import THIN_OBJECT
-from ledger.config import Settings
 from ledger.attempts import Claim
-from workers.billing.mapping import is_deletion
+from ledger.config import Settings
+from ledger.stripe_events import HEALTH_GENERATION_FAILURE, V1_PREFIX, handler_type, is_deletion
 from workers.failures import PermanentError
 from workers.stripe_api import COLLECTIONS, PermanentApiError, RetryRule, StripeApi
 
-HEALTH_GENERATION_FAILURE = "v2.core.health.event_generation_failure.resolved"
 V2_EVENTS = "/v2/core/events"
-V1_PREFIX = "v1."
 
 # object type -> the API path it is retrieved under (a health alert names the type and id only;
 # its url is the Dashboard's).
@@ -83,15 +80,6 @@ class Applied:
     type: str
     event: dict[str, Any]
     snapshot_twin: str | None = None
-
-
-def is_thin(payload: dict[str, Any]) -> bool:
-    return payload.get("object") == THIN_OBJECT
-
-
-def handler_type(event_type: str) -> str:
-    """The type whose handlers apply an event: a v1 thin notification's snapshot twin, else its own."""
-    return event_type.removeprefix(V1_PREFIX) if event_type.startswith(V1_PREFIX) else event_type
 
 
 def applied(claim: Claim) -> Applied:

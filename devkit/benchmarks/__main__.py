@@ -114,9 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--history-events", type=int)
     parser.add_argument("--ingest-seconds", dest="ingest_s", type=float)
     parser.add_argument("--receiver", dest="receiver_server", choices=RECEIVER_SERVERS,
-                        help=f"the receiver's WSGI server (default {DEFAULT_RECEIVER_SERVER}, as in README; "
+                        help=f"the receiver's WSGI server (default {DEFAULT_RECEIVER_SERVER}, as documented; "
                              "--receiver-threads alone means gunicorn-gthread)")
-    parser.add_argument("--receiver-workers", type=int, help="receiver worker processes (default 2, as in README)")
+    parser.add_argument("--receiver-workers", type=int, help="receiver worker processes (default 2, as documented)")
     parser.add_argument("--receiver-threads", type=int,
                         help="threads per receiver worker: gthread's, or granian's blocking threads "
                              "(default: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_THREADS.items()) + ")")
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fetch-concurrency", type=int,
                         help="steady --payload thin|both: the workers' STRIPE_FETCH_CONCURRENCY (default: its default)")
     parser.add_argument("--broker", choices=(*brokers.BROKERS, "both"), default="redis",
-                        help="the broker the stack runs on: the private Redis (default, as README runs it), RabbitMQ "
+                        help="the broker the stack runs on: the private Redis (default, as docs/configuration.md runs it), RabbitMQ "
                              "(the machine's, 127.0.0.1:5672, on a vhost of the run's own; CELERY_BROKER_URL), or "
                              "both: steady and drain then run on each, taking turns, and every other scenario on "
                              "Redis")

@@ -1,6 +1,6 @@
 """The brokers the stack is measured on (``ops/bench --broker redis|amqp|both``).
 
-``redis``: the benchmark's private ``redis-server`` (the default, as README runs the stack).
+``redis``: the benchmark's private ``redis-server`` (the default, as docs/configuration.md runs the stack).
 ``amqp``: RabbitMQ, the machine's own server (127.0.0.1:5672), on a vhost of the run's own
 (``devkit.servers.RabbitVhost``: created at the start, dropped at the end), so no other
 user's queue or message meets the run's. The project reads its broker from

@@ -86,7 +86,7 @@ def _brokers_in_words(st: dict[str, Any]) -> str:
 
 def _steady_method(st: dict[str, Any]) -> str:
     p = st["payload"]
-    return (f"The stack as README runs it: the receiver ("
+    return (f"The stack as docs/configuration.md runs it: the receiver ("
             f"{report.receiver_kind(st.get('receiver_server'), st['receiver_workers'], st.get('receiver_threads'))}), {st['workers']} "
             f"`celery -A workers worker --concurrency {st['worker_concurrency']}` ({st['workers']} parents, "
             f"{st['workers'] * st['worker_concurrency']} pool children; every queue, Celery's own log level, mingle, "
@@ -241,7 +241,7 @@ def results_block(r: dict[str, Any]) -> str:
         out += ["### drain", "",
                 f"A backlog of {dr['events']:,} received events ({dr['events'] // 10:,} subscription lifecycles: "
                 + ", ".join(f"{k} {v:,}" for k, v in dr["mix"].items())
-                + ") processed by N `celery worker --concurrency 1` instances, then by the pools README runs "
+                + ") processed by N `celery worker --concurrency 1` instances, then by the documented pools "
                   "(2 `celery -A workers worker --concurrency 2`), on each broker in turn; the limit is pgbench "
                   "with as many clients as pool processes running, per transaction, the statements a worker sends "
                   "for one event, on a fresh copy of the backlog. "

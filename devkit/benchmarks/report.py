@@ -58,7 +58,7 @@ DRAIN_COLUMNS = [("workers", "workers", ""), ("broker_label", "broker", ""), ("e
                  ("pgbench_tps", "pgbench tps", ".1f"), ("pgbench_statements_per_event", "stmts/tx", ".2f"),
                  ("drain_ratio", "drain_ratio", ".3f")]
 def drain_fleets(result: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Each fleet's run on each broker: {fleet: {broker: run}}, the worker counts first, then README's pools."""
+    """Each fleet's run on each broker: {fleet: {broker: run}}, the worker counts first, then the documented pools."""
     by_broker = result.get("brokers") or {result.get("broker", "redis"): {"runs": result["runs"],
                                                                          "readme": result.get("readme")}}
     fleets: dict[str, dict[str, dict[str, Any]]] = {}
@@ -835,7 +835,7 @@ def issue_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             all(v >= PEER_E2E_RATIO_TARGET for v in ratios.values()) if ratios else None)
 
     drain = results.get("drain")
-    target = (f"drain on Redis ≥ {DRAIN_BROKER_RATIO_TARGET}× drain on RabbitMQ (README's pools, same backlog), "
+    target = (f"drain on Redis ≥ {DRAIN_BROKER_RATIO_TARGET}× drain on RabbitMQ (the documented pools, same backlog), "
               f"the machine ≥ {100 * DRAIN_BUSY_TARGET:.0f}% busy while Redis drains")
     ratios = drain_broker_ratios(drain) if drain else {}
     readme = next((x for fleet, x in ratios.items() if not fleet.isdigit()), None)

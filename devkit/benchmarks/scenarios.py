@@ -377,7 +377,7 @@ class Bench:
         return self._templates
 
     def readme_fleet(self):
-        """The pools README runs: 2 ``celery -A workers worker --concurrency 2`` (steady's)."""
+        """The documented pools (docs/configuration.md): 2 ``celery -A workers worker --concurrency 2`` (steady's)."""
         return self.fleet(README_POOLS["workers"], label="readme", concurrency=README_POOLS["concurrency"],
                           readme=True)
 
@@ -591,7 +591,7 @@ def _run_stats(b: Bench, ids: list[str]) -> dict[str, Any]:
             "first_received": float(first_received or 0)}
 
 
-# The pools README runs (steady's): 2 `celery -A workers worker --concurrency 2`, 4 pool processes.
+# The documented pools (docs/configuration.md) (steady's): 2 `celery -A workers worker --concurrency 2`, 4 pool processes.
 README_POOLS = {"workers": 2, "concurrency": 2}
 README_POOLS_LABEL = "2×2 (README)"
 
@@ -692,7 +692,7 @@ def _drain_limit(b: Bench, n_events: int, clients: int) -> dict[str, Any]:
 
 def drain(b: Bench) -> dict[str, Any]:
     """Workers on a 20,000-event backlog, then pgbench on a fresh copy of it, per worker count; then the
-    pools README runs (2 workers of 2 pool processes). Each fleet drains once per broker (--broker),
+    documented pools (2 workers of 2 pool processes). Each fleet drains once per broker (--broker),
     taking turns; pgbench once per fleet.
 
     The rate is taken over a window (``drain_s``) once every worker is up, with the
@@ -1215,7 +1215,7 @@ def _peer_level(b: Bench, c: int, events: list[BacklogEvent], warm_events: list[
 
 
 def steady(b: Bench) -> dict[str, Any]:
-    """The whole stack as README runs it, fed at each concurrency until every event is processed,
+    """The whole stack as docs/configuration.md runs it, fed at each concurrency until every event is processed,
     beside Stripe's sync engine fed the same stream.
 
     Per level, the same events (and warm-up) for every run: each broker (--broker), each revision

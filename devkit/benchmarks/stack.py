@@ -39,7 +39,7 @@ def bench_postgres() -> PrivatePostgres:
 class WorkerFleet:
     """N ``celery -A workers worker --concurrency 1`` instances: one per "machine" the user adds.
 
-    With ``readme``, each is ``celery -A workers worker --concurrency N`` exactly as README
+    With ``readme``, each is ``celery -A workers worker --concurrency N`` exactly as docs/configuration.md
     runs it instead (``devkit.stack.ReadmeWorker``: every queue, Celery's own log level);
     ``checkout`` runs another revision's celery (``--compare``).
     """
@@ -90,7 +90,7 @@ class WorkerFleet:
 
 
 class Stack:
-    """The whole stack as README runs it: the receiver (``receiver_server``, 4 workers), two
+    """The whole stack as docs/configuration.md runs it: the receiver (``receiver_server``, 4 workers), two
     ``celery -A workers worker --concurrency 2`` (2 parents, 4 pool children) and the recovery
     sweep (``ledgerctl sweep --loop``), all of ``checkout``'s revision. ``start`` returns once
     every process is up; the workers consume from then on, which the caller's warm-up shows."""

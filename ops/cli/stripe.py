@@ -137,7 +137,7 @@ def backfill(obj: _Context, object_types, created_since, account, dry_run, as_js
     payment_intents refunds disputes payment_methods setup_intents credit_notes coupons
     promotion_codes tax_rates, or all. Subscriptions are listed with status=all (canceled ones
     too). A snapshot never overwrites a newer event's state, nor does an older event overwrite it
-    (README, Backfill). Exit status: 0 done, 1 Stripe's API failed, 2 bad usage or configuration.
+    (docs/stripe-api.md, "ledgerctl backfill"). Exit status: 0 done, 1 Stripe's API failed, 2 bad usage or configuration.
     """
     from workers.backfill import Backfill
     from workers.stripe_api import StripeApiError
@@ -238,6 +238,8 @@ def send_test_event(obj: _Context, url: str, path: str | None, print_curl: bool)
 
     import stripe
 
+    from ledger.stripe_events import InvalidEvent, parse_event
+
     secrets_ = obj.settings.require_webhook_secrets()
     if not secrets_:
         raise click.UsageError("STRIPE_WEBHOOK_SECRET is not set: send-test-event signs a snapshot event with it")
@@ -245,6 +247,10 @@ def send_test_event(obj: _Context, url: str, path: str | None, print_curl: bool)
     if path:
         with open(path, encoding="utf-8") as fh:
             body = fh.read()
+        try:
+            parse_event(body.encode())  # the receiver's own check: a file it would refuse is not sent
+        except InvalidEvent as exc:
+            raise click.UsageError(f"{path} is not a snapshot event the receiver records: {exc}") from None
     else:
         customer, now = f"cus_{secrets.token_hex(12)}", int(time.time())
         body = json.dumps({

@@ -1,4 +1,4 @@
-"""Prometheus endpoints of real processes: the receiver (2 workers, under each server README supports),
+"""Prometheus endpoints of real processes: the receiver (2 workers, under each server docs/configuration.md supports),
 a Celery worker (prefork, 2 children) and ``ledgerctl sweep --loop``, each with the series it promises
 and values that match what the test made happen.
 

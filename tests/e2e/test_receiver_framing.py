@@ -1,8 +1,8 @@
-"""Malformed HTTP from a stranger, over a raw socket, to the real receiver under each server README
-supports (devkit.stack.SUPPORTED_RECEIVER_SERVERS: gunicorn sync workers as README runs it, and gthread
+"""Malformed HTTP from a stranger, over a raw socket, to the real receiver under each server docs/configuration.md
+supports (devkit.stack.SUPPORTED_RECEIVER_SERVERS: gunicorn sync workers as docs/configuration.md runs it, and gthread
 workers with 4 threads). ``FRAMING_SERVERS=granian`` (comma-separated names of
 devkit.stack.RECEIVER_SERVERS) runs the same cases under another server instead: that is how a candidate
-is judged (README, "Running it", has what granian 2.8.9 did).
+is judged (docs/configuration.md, "Running it", has what granian 2.8.9 did).
 
 Every malformed request below carries a correctly signed event, so that a receiver which framed it
 wrongly (a truncated body taken as whole, a smuggled second request) would record that event. What is
@@ -23,7 +23,7 @@ a byte of it. A client that stops in the middle of its head (slowloris) gets no 
 connection, and holds only its own worker (or thread): the receiver keeps serving others. Bounding that
 wait is gunicorn's business, and it does not do it well: a sync worker stuck there is killed after
 ``--timeout`` (30 s) and answers 500 as it goes; a gthread thread waits for as long as the client keeps
-the connection. Hence a proxy with a header timeout in front of the receiver (README, "Running it").
+the connection. Hence a proxy with a header timeout in front of the receiver (docs/configuration.md, "Running it").
 
 One answer is gunicorn's and is a 5xx: a transfer coding it does not implement gets 501 (RFC 9112 section
 6.1 says SHOULD), before the application sees the request; no setting changes it. Under gunicorn that case
@@ -72,7 +72,7 @@ SERVER_ERROR_SIGNS = (re.compile(r"access-log status=5\d\d"), re.compile("Error 
 
 
 def _servers() -> list[str]:
-    """The servers README supports; FRAMING_SERVERS (comma-separated, of devkit.stack.RECEIVER_SERVERS)
+    """The servers docs/configuration.md supports; FRAMING_SERVERS (comma-separated, of devkit.stack.RECEIVER_SERVERS)
     runs the same cases under others, e.g. a candidate: ``FRAMING_SERVERS=granian``."""
     named = [s.strip() for s in os.environ.get("FRAMING_SERVERS", "").split(",") if s.strip()]
     unknown = sorted(set(named) - set(RECEIVER_SERVERS))

@@ -1,5 +1,5 @@
-"""The real receiver, ``ingest.app:create_app()`` under the servers README runs it with
-(devkit.stack.Receiver: gunicorn sync workers, README's command, and gthread workers), as a subprocess."""
+"""The real receiver, ``ingest.app:create_app()`` under the servers docs/configuration.md runs it with
+(devkit.stack.Receiver: gunicorn sync workers, the default command, and gthread workers), as a subprocess."""
 from __future__ import annotations
 
 import json

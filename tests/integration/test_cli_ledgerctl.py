@@ -208,3 +208,13 @@ def test_replay_sends_one_wakeup_per_replayed_event_and_stats_sees_them_queued(l
     assert all(m["task"] == "workers.process_event" for m in queue.messages())
     assert json.loads(ledgerctl_cli("stats", "--json").stdout)["queue_depth"] == 2
 
+
+
+def test_send_test_event_refuses_a_file_the_receiver_would_refuse_and_sends_nothing(ledgerctl_cli, tmp_path):
+    not_an_event = tmp_path / "note.json"
+    not_an_event.write_text(json.dumps({"object": "v2.core.event", "id": "evt_1", "type": "v1.customer.updated"}))
+    # Nothing listens on the URL: a file that got past the check would fail to connect (exit 1), not exit 2.
+    result = ledgerctl_cli("send-test-event", "--url", "http://127.0.0.1:9/webhooks/stripe", "--file",
+                           str(not_an_event), code=2, env={"STRIPE_WEBHOOK_SECRET": "whsec_test"})
+    assert "is not a snapshot event the receiver records" in result.output
+    assert "thin event notification" in result.output or "/webhooks/stripe/thin" in result.output

@@ -21,7 +21,7 @@ After every step the database must match a small in-memory model, and:
 * an event has an effect iff it is processed, and never more than one;
 * every failure state carries the reason the model predicts;
 * a lease (and one running attempt) exists exactly while processing;
-* the receiver's ``needs_wakeup`` answer follows the README's table;
+* the receiver's ``needs_wakeup`` answer follows the table in docs/guarantee.md;
 * after a sweep, nothing that could run now is left with an overdue wake-up.
 
 Time is driven with SQL: retries are scheduled 1000 s ahead (never due in real

@@ -37,7 +37,7 @@ def thin_of(evt: dict, *, account: str | None = None, fake=None) -> dict:
 
 def transition_keys(kit) -> list[dict]:
     """Which events recorded a transition of which subscription (a thin one records the status fetched,
-    not the one of its moment: README, "How a thin event is processed")."""
+    not the one of its moment: docs/destinations.md, "How a thin event is processed")."""
     return kit.query("SELECT event_id, subscription_id FROM billing.subscription_transitions ORDER BY event_id")
 
 

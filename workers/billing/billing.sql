@@ -5,7 +5,7 @@
 -- so any delivery order converges to the same rows. Re-applying an event is a
 -- no-op (its key is not newer than itself). An object fetched from the API
 -- (workers/billing/snapshots.py) goes through the same statements with the key
--- (the second its answer arrived, 'api_fetch'): README, "Fetched objects".
+-- (the second its answer arrived, 'api_fetch'): docs/stripe-api.md, "Fetched objects and the order guard".
 -- A row keeps the account and mode it was first written with: billing.same_owner
 -- (migration 0006) raises, before the order guard is looked at, when an object
 -- comes under another account or mode, so the outcome does not depend on order.

@@ -19,6 +19,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any, Mapping
 
+from ledger.stripe_events import is_deletion
 from workers.failures import PermanentError, UnmappablePayload
 from workers.handlers import Requirement, alternatives, describe, value_at
 
@@ -229,7 +230,7 @@ def entitlement_summary(obj: Obj) -> tuple[str, list[str]]:
 
 def payment_failed_notice(obj: Obj) -> dict[str, Any]:
     """The invoice.payment_failed effect's payload: what a dunning e-mail needs, nothing more."""
-    # Its own fields, not invoice_row's: the payload is a published contract (README, Built-in effects).
+    # Its own fields, not invoice_row's: the payload is a published contract (docs/outbox.md, "Built-in effects").
     return {
         "invoice_id": _required_id(obj, ID),
         "customer_id": _first_id(obj, CUSTOMER),
@@ -240,17 +241,6 @@ def payment_failed_notice(obj: Obj) -> dict[str, Any]:
         "next_payment_attempt": _int(obj.get("next_payment_attempt")),
         "hosted_invoice_url": _str(obj.get("hosted_invoice_url")),
     }
-
-
-# The one *.deleted type whose object still exists at Stripe: a canceled subscription
-# (status canceled) that the API keeps returning.
-_NOT_A_DELETION = frozenset({"customer.subscription.deleted"})
-
-
-def is_deletion(event_type: str | None, obj: Obj) -> bool:
-    """Whether the object is gone at Stripe: a *.deleted event, or an object that says so."""
-    return obj.get("deleted") is True or (
-        event_type is not None and event_type.endswith(".deleted") and event_type not in _NOT_A_DELETION)
 
 
 # The generic mirror's row needs data.object.id and this, yet the mirror declares no requirement: it steps

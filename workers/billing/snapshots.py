@@ -7,7 +7,7 @@ billing.objects. A fetched object has no event: its ordering key is (the second 
 request was sent, less a margin: workers/stripe_api.py says why; 'api_fetch').
 'api_fetch' sorts before every 'evt_...' id, so an event created in that second or
 later wins over the snapshot, and an event of an earlier second loses to it,
-whichever is applied first (README, "Fetched objects and the order guard", says why
+whichever is applied first (docs/stripe-api.md, "Fetched objects and the order guard", says why
 that converges).
 
 A snapshot records no billing.subscription_transitions row (that table is the history
