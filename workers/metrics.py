@@ -49,14 +49,16 @@ HEALTH_ALERTS = Counter("stripe_health_alerts_total",
 class LedgerCollector:
     """Gauges read from ledger.events at scrape time (only the small unfinished set, plus status counts)."""
 
-    def __init__(self, operator, outbox=None):
+    def __init__(self, operator, outbox=None, reconcile=None):
         self._operator = operator
         self._outbox = outbox
+        self._reconcile = reconcile
 
     def collect(self):
         try:
             stats = self._operator.stats()
             outbox = self._outbox.stats() if self._outbox is not None else None
+            drift = self._reconcile.drift_by_type() if self._reconcile is not None else None
         except Exception:
             return  # Postgres unreachable: no gauges this scrape rather than wrong ones
         if outbox is not None:
@@ -76,19 +78,30 @@ class LedgerCollector:
                                 value=stats["due_retries"])
         yield GaugeMetricFamily("ledger_expired_leases", "Processing events whose worker's lease expired",
                                 value=stats["expired_leases"])
+        if drift is not None:
+            objects = GaugeMetricFamily("reconcile_drift_objects",
+                                        "Objects that drifted from Stripe in the latest reconcile run of their type",
+                                        labels=["type"])
+            for row in drift:
+                objects.add_metric([row["type"]], row["objects"])
+            yield objects
+            if drift:
+                yield GaugeMetricFamily("reconcile_last_run_timestamp_seconds",
+                                        "When the latest reconcile run was recorded (unix time)",
+                                        value=max(row["ran_at"] for row in drift).timestamp())
 
 
-def registry_for_export(operator=None, outbox=None) -> CollectorRegistry:
+def registry_for_export(operator=None, outbox=None, reconcile=None) -> CollectorRegistry:
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
     else:
         registry = REGISTRY
     if operator is not None:
-        registry.register(LedgerCollector(operator, outbox))
+        registry.register(LedgerCollector(operator, outbox, reconcile))
     return registry
 
 
-def serve(port: int, operator=None, outbox=None) -> None:
+def serve(port: int, operator=None, outbox=None, reconcile=None) -> None:
     """Expose /metrics on ``port`` from a background thread of this process."""
-    start_http_server(port, registry=registry_for_export(operator, outbox))
+    start_http_server(port, registry=registry_for_export(operator, outbox, reconcile))

@@ -28,6 +28,7 @@ from datetime import datetime
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ledger.db import ProcessPool
+from ledger.reconcile_runs import ReconcileRuns
 from workers.backfill import Backfill, RowOwnedElsewhere
 from workers.billing import mapping
 from workers.billing.reads import BillingReads
@@ -102,6 +103,17 @@ class Reconcile:
         self._api = api
         self._backfill = Backfill(pool, api)
         self._billing = BillingReads(pool)
+        self._runs = ReconcileRuns(pool)
+
+    def run(self, collections: Sequence[Collection], *, account: str | None, fix: bool,
+            actor: str) -> ReconcileResult:
+        """Compare, fix if asked, and keep the report (ledger.reconcile_runs: the console's drift page and
+        the reconcile_drift_objects metric read it)."""
+        result = self.compare(collections, account=account)
+        if fix:
+            self.fix(result, collections)
+        self._runs.record(result.as_dict(), actor=actor, types=[c.name for c in collections], fixed=fix)
+        return result
 
     def compare(self, collections: Sequence[Collection], *, account: str | None = None) -> ReconcileResult:
         result = ReconcileResult(account)

@@ -70,7 +70,9 @@ def sweep_process(settings: Settings, *, operator=None, outbox: OutboxLedger | N
     configure_logging()
     runtime = Runtime(settings, make_celery(settings))
     if operator is not None and settings.metrics_port:
+        from ledger.reconcile_runs import ReconcileRuns
         from workers.metrics import serve
 
-        serve(settings.metrics_port, operator=operator, outbox=outbox or runtime.outbox)
+        serve(settings.metrics_port, operator=operator, outbox=outbox or runtime.outbox,
+              reconcile=ReconcileRuns(runtime.pool))
     return runtime.sweeper

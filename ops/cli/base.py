@@ -128,3 +128,10 @@ def cli(ctx: click.Context):
     """Operate the Stripe event ledger (configuration comes from the environment)."""
     ctx.obj = _Context()
 
+
+def _actor() -> str:
+    """Who an operator action is recorded as: the shell user at this host."""
+    import getpass
+    import socket
+
+    return f"{getpass.getuser()}@{socket.gethostname()}"

@@ -1,14 +1,12 @@
 """ledgerctl: the ledger's own commands: migrate, stats, events, replay, sweep, prune, handlers."""
 from __future__ import annotations
 
-import getpass
-import socket
 import sys
 
 import click
 
 from ledger.states import EventStatus
-from ops.cli.base import (_Context, _duration_s, _echo_json, _found, _plain, _table, _values, _when, cli,
+from ops.cli.base import (_Context, _actor, _duration_s, _echo_json, _found, _plain, _table, _values, _when, cli,
                           json_option, status_choice)
 
 
@@ -156,7 +154,7 @@ def replay(obj: _Context, event_ids, bulk_status, type_glob, since, until, reaso
     if bulk and ids and not yes:
         click.confirm(f"Replay {len(ids)} event(s)?", abort=True, err=True)
 
-    actor = f"{getpass.getuser()}@{socket.gethostname()}"
+    actor = _actor()
     waker = obj.waker()
     with click.progressbar(ids, label="replaying", file=sys.stderr,
                            hidden=len(ids) < 100 or as_json) as bar:

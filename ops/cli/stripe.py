@@ -9,7 +9,7 @@ import sys
 import time
 
 import click
-from ops.cli.base import _Context, _echo_json, _table, _when, cli, json_option
+from ops.cli.base import _Context, _actor, _echo_json, _table, _when, cli, json_option
 
 
 def _account(value: str | None) -> str | None:
@@ -180,9 +180,7 @@ def reconcile(obj: _Context, object_types, account, fix, as_json):
     collections = _collections(object_types or ("customers", "subscriptions", "invoices"))
     runner = Reconcile(obj.pool, obj.stripe_api())
     try:
-        result = runner.compare(collections, account=account)
-        if fix:
-            runner.fix(result, collections)
+        result = runner.run(collections, account=account, fix=fix, actor=_actor())
     except StripeApiError as exc:
         _stripe_failed(exc)
     failed = [f for f in result.fixes if not f.fixed]

@@ -1,0 +1,236 @@
+"""The console's side of the ledger: the event list and its counts, the overview, failure groups,
+replay jobs and reconcile reports. Statements: ledger/sql/console.sql.
+
+The list filters by fixed fragments (``_PREDICATES``), each added only when its field is set, so a
+filter's plan always walks an index of migration 0008 rather than a generic plan's scan. Pages are
+keyset pages newest first: ``after`` is the (received_at, id) of the last row shown.
+
+A replay job is the set of events its filter matched when the operator confirmed it, fixed then
+(``create_replay_job``); events arriving later or leaving the filter are never added. A console
+process runs jobs batch by batch under a lease (``replay_next``); a cancel takes effect before the
+next batch.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from psycopg import sql as pg_sql
+
+from ledger.db import ProcessPool
+from ledger.operator import glob_to_like
+from ledger.queries import SQL
+from ledger.states import EventStatus
+from ledger.statements import run_statement
+from ledger.stripe_events import V1_PREFIX, V2_PREFIX
+
+SOURCES = ("webhook", "catchup", "thin")
+MAX_RANGE = timedelta(days=31)
+DEFAULT_RANGE = timedelta(days=7)
+MAX_PAGE = 200
+COUNT_CAP = 10_000
+MAX_REPLAY = 100_000
+
+# Field -> its fragment; a field left empty adds none. e is ledger.events.
+_PREDICATES = {
+    "status": "e.status = %(status)s",
+    "type_like": "e.type LIKE %(type_like)s",
+    "reason": "e.failure_reason = %(reason)s",
+    "account": "e.account IS NOT DISTINCT FROM nullif(%(account)s, '')",
+    "livemode": "e.livemode = %(livemode)s",
+    "event_id": "e.id = %(event_id)s",
+    "since": "e.received_at >= %(since)s",
+    "until": "e.received_at < %(until)s",
+    "after": "(e.received_at, e.id) < (%(after_at)s, %(after_id)s)",
+}
+_SOURCE_PREDICATES = {
+    # A thin notification's type is v1.* or v2.* (ledger.stripe_events); the others came as snapshots.
+    "thin": "left(e.type, 3) = ANY(%(thin_prefixes)s)",
+    "webhook": ("left(e.type, 3) <> ALL(%(thin_prefixes)s) AND EXISTS "
+                "(SELECT 1 FROM ledger.deliveries d WHERE d.event_id = e.id AND d.source = 'webhook')"),
+    "catchup": "EXISTS (SELECT 1 FROM ledger.deliveries d WHERE d.event_id = e.id AND d.source = 'catchup')",
+}
+
+
+class FilterError(ValueError):
+    """A filter the console refuses (a range too wide, a source it does not know): the message says why."""
+
+
+@dataclass(frozen=True)
+class EventQuery:
+    status: str | None = None
+    type_glob: str | None = None
+    reason: str | None = None
+    source: str | None = None
+    account: str | None = None      # '' the platform
+    livemode: bool | None = None
+    event_id: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+
+    def checked(self, now: datetime | None = None) -> "EventQuery":
+        """This query with its time range made explicit and bounded: by default the last seven days, at
+        most 31 days. An exact id needs no range."""
+        now = now or datetime.now(timezone.utc)
+        if self.status is not None and self.status not in {s.value for s in EventStatus}:
+            raise FilterError(f"unknown status {self.status!r}")
+        if self.source is not None and self.source not in SOURCES:
+            raise FilterError(f"unknown source {self.source!r}: one of {', '.join(SOURCES)}")
+        if self.event_id is not None:
+            return self
+        until = self.until or now
+        since = self.since or until - DEFAULT_RANGE
+        if since >= until:
+            raise FilterError("the range's start must be before its end")
+        if until - since > MAX_RANGE:
+            raise FilterError(f"the time range is at most {MAX_RANGE.days} days")
+        return EventQuery(**{**asdict(self), "since": since, "until": until})
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in asdict(self).items()
+                if v is not None}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "EventQuery":
+        values = dict(data)
+        for key in ("since", "until"):
+            if values.get(key):
+                values[key] = datetime.fromisoformat(values[key])
+        return cls(**values)
+
+    def _where(self, after: tuple[datetime, str] | None = None) -> tuple[pg_sql.Composable, dict[str, Any]]:
+        params: dict[str, Any] = {
+            "status": self.status, "type_like": glob_to_like(self.type_glob), "reason": self.reason,
+            "account": self.account, "livemode": self.livemode, "event_id": self.event_id, "since": self.since,
+            "until": self.until, "thin_prefixes": [V1_PREFIX, V2_PREFIX]}
+        parts = [_PREDICATES[name] for name, value in params.items() if name in _PREDICATES and value is not None]
+        if self.source is not None:
+            parts.append(_SOURCE_PREDICATES[self.source])
+        if after is not None:
+            params["after_at"], params["after_id"] = after
+            parts.append(_PREDICATES["after"])
+        return pg_sql.SQL(" AND ".join(f"({p})" for p in parts) or "true"), params
+
+
+@dataclass
+class Page:
+    rows: list[dict[str, Any]]
+    next_after: tuple[datetime, str] | None   # None: the last page
+
+
+@dataclass
+class Overview:
+    by_status: dict[str, int]
+    processed_estimated: bool
+    oldest_unprocessed_age_s: float | None
+    due_retries: int
+    expired_leases: int
+    per_minute: list[dict[str, Any]]
+    catchup_cursors: list[dict[str, Any]]
+    health_alerts: list[dict[str, Any]]
+    outbox: dict[str, Any] | None = None
+    queue_depth: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ConsoleLedger:
+    def __init__(self, pool: ProcessPool):
+        self._pool = pool
+
+    def _all(self, statement: str | pg_sql.Composable, params: dict | None = None) -> list[dict[str, Any]]:
+        return run_statement(self._pool, statement, params)
+
+    # -- the event list --------------------------------------------------------------------------
+    def page(self, query: EventQuery, *, size: int, after: tuple[datetime, str] | None = None) -> Page:
+        size = max(1, min(size, MAX_PAGE))
+        where, params = query._where(after)
+        rows = self._all(pg_sql.SQL(SQL.console_events_page).format(where=where), {**params, "limit": size + 1})
+        more = len(rows) > size
+        rows = rows[:size]
+        return Page(rows, (rows[-1]["received_at"], rows[-1]["id"]) if more else None)
+
+    def count(self, query: EventQuery, *, cap: int = COUNT_CAP) -> tuple[int, bool]:
+        """How many events match, and whether that is the cap (there are more)."""
+        where, params = query._where()
+        n = self._all(pg_sql.SQL(SQL.console_events_count_capped).format(where=where),
+                      {**params, "cap": cap + 1})[0]["events"]
+        return min(n, cap), n > cap
+
+    # -- the overview ----------------------------------------------------------------------------
+    def overview(self, *, health_alerts: list[dict[str, Any]]) -> Overview:
+        unfinished = self._all(SQL.stats_unfinished)[0]
+        counts = {row["status"]: row["events"] for row in self._all(SQL.console_status_counts)}
+        estimate = self._all(SQL.console_table_estimate)[0]["events"]
+        counts[EventStatus.PROCESSED.value] = max(0, estimate - sum(counts.values()))
+        by_status = {s.value: counts.get(s.value, 0) for s in EventStatus}
+        return Overview(by_status=by_status, processed_estimated=True,
+                        oldest_unprocessed_age_s=(float(unfinished["oldest_unprocessed_age_s"])
+                                                  if unfinished["oldest_unprocessed_age_s"] is not None else None),
+                        due_retries=unfinished["due_retries"], expired_leases=unfinished["expired_leases"],
+                        per_minute=self._all(SQL.console_per_minute),
+                        catchup_cursors=self._all(SQL.console_catchup_cursors), health_alerts=health_alerts)
+
+    def failure_groups(self, *, limit: int = 200) -> list[dict[str, Any]]:
+        return self._all(SQL.console_failure_groups, {"limit": limit})
+
+    # -- one event -------------------------------------------------------------------------------
+    def event_extras(self, event_id: str) -> dict[str, Any]:
+        """What the console shows of an event beyond ``OperatorLedger.show``: every delivery with its
+        source, the thin notification of a snapshot event, and its outbox effects."""
+        params = {"id": event_id}
+        payload = self._all(SQL.console_event_payload, params)
+        return {"payload": payload[0]["payload"] if payload else None,
+                "delivery_list": self._all(SQL.console_event_delivery_list, params),
+                "thin_notifications": [r["event_id"] for r in self._all(SQL.console_event_thin_of, params)],
+                "outbox": self._all(SQL.console_event_outbox, params)}
+
+    # -- replay jobs -----------------------------------------------------------------------------
+    def replay_preview(self, query: EventQuery) -> int:
+        """How many events a replay of ``query`` would replay now (at most MAX_REPLAY + 1)."""
+        n, more = self.count(query, cap=MAX_REPLAY)
+        return n + 1 if more else n
+
+    def create_replay_job(self, query: EventQuery, *, expected: int, actor: str, reason: str | None,
+                          force: bool) -> int | None:
+        """The job's id; None (and nothing created) when the filter no longer matches ``expected`` events."""
+        if expected > MAX_REPLAY:
+            raise FilterError(f"a replay covers at most {MAX_REPLAY} events: narrow the filter")
+        where, params = query._where()
+        statement = pg_sql.SQL(SQL.replay_job_create).format(where=where)
+        try:
+            with self._pool.get().connection() as conn, conn.transaction():
+                job_id, total = conn.execute(statement, {
+                    **params, "actor": actor, "reason": reason, "force": force, "expected": expected,
+                    "filter": json.dumps(query.as_json())}).fetchone()
+                if total != expected:
+                    raise _SetChanged()  # rolls the job back
+        except _SetChanged:
+            return None
+        return job_id
+
+    def claim_replay_job(self, *, runner: str, lease_s: float) -> dict[str, Any] | None:
+        rows = self._all(SQL.replay_job_claim, {"runner": runner, "lease_s": lease_s})
+        return rows[0] if rows else None
+
+    def replay_next(self, job_id: int, *, runner: str, batch: int, lease_s: float) -> tuple[str | None, list[str]]:
+        """Replay the job's next batch: the job's status after it (None: no longer ours, or cancelled
+        before it) and the ids replayed, to wake."""
+        row = self._all(SQL.replay_job_replay_next, {"job_id": job_id, "runner": runner, "batch": batch,
+                                                     "lease_s": lease_s})[0]
+        return row["job_status"], list(row["replayed"] or [])
+
+    def cancel_replay_job(self, job_id: int, *, actor: str) -> bool:
+        return bool(self._all(SQL.replay_job_cancel, {"id": job_id, "actor": actor}))
+
+    def replay_job(self, job_id: int) -> dict[str, Any] | None:
+        rows = self._all(SQL.replay_job_get, {"id": job_id})
+        return rows[0] if rows else None
+
+    def replay_jobs(self, *, limit: int = 20) -> list[dict[str, Any]]:
+        return self._all(SQL.replay_jobs_recent, {"limit": limit})
+
+
+class _SetChanged(Exception):
+    """The filter matched another count than the one confirmed."""

@@ -1,0 +1,206 @@
+-- The operator console (ledger/console.py): the event list and its counts, the overview,
+-- failure groups, replay jobs and reconcile reports. The list's filters are fixed fragments
+-- (ledger/console.py, _PREDICATES) joined under {where}: a filter left empty adds nothing,
+-- so every combination gets a plan that uses the indexes of migration 0008.
+
+-- name: console_events_page
+-- One page, newest first, after the keyset (received_at, id) of the last row shown: a row
+-- arriving meanwhile sorts before the page, so paging on never shows a row twice or skips one.
+SELECT e.id, e.type, e.status, e.attempts, e.failure_reason, e.account, e.livemode, e.received_at,
+       e.processed_at
+  FROM ledger.events e
+ WHERE {where}
+ ORDER BY e.received_at DESC, e.id DESC
+ LIMIT %(limit)s
+
+-- name: console_events_count_capped
+-- How many events match, counted up to the cap: past it the console says "cap+".
+SELECT count(*) AS events FROM (SELECT 1 FROM ledger.events e WHERE {where} LIMIT %(cap)s) matched
+
+-- name: console_status_counts
+-- Exact counts of every status but processed, each read from a partial index; processed is
+-- the table's estimated size less those (console_table_estimate), shown as an estimate.
+SELECT status, count(*) AS events
+  FROM ledger.events
+ WHERE status IN ('received', 'processing', 'failed_recoverable')
+ GROUP BY status
+UNION ALL
+SELECT 'failed_permanent', count(*) FROM ledger.events WHERE status = 'failed_permanent'
+
+-- name: console_table_estimate
+SELECT greatest(reltuples, 0)::bigint AS events FROM pg_class WHERE oid = 'ledger.events'::regclass
+
+-- name: console_per_minute
+-- The last hour, minute by minute: events processed, and attempts that failed.
+WITH minutes AS (
+    SELECT generate_series(date_trunc('minute', now()) - interval '59 minutes', date_trunc('minute', now()),
+                           interval '1 minute') AS minute
+), processed AS (
+    SELECT date_trunc('minute', processed_at) AS minute, count(*) AS n
+      FROM ledger.events
+     WHERE status = 'processed' AND payload IS NOT NULL
+       AND processed_at >= date_trunc('minute', now()) - interval '59 minutes'
+     GROUP BY 1
+), failed AS (
+    SELECT date_trunc('minute', finished_at) AS minute, count(*) AS n
+      FROM ledger.attempts
+     WHERE outcome IN ('failed_recoverable', 'failed_permanent')
+       AND finished_at >= date_trunc('minute', now()) - interval '59 minutes'
+     GROUP BY 1
+)
+SELECT m.minute, coalesce(p.n, 0) AS processed, coalesce(f.n, 0) AS failed
+  FROM minutes m LEFT JOIN processed p USING (minute) LEFT JOIN failed f USING (minute)
+ ORDER BY m.minute
+
+-- name: console_catchup_cursors
+SELECT account, last_event_id, last_event_created, last_run_at, last_found,
+       extract(epoch FROM now() - last_run_at) AS last_run_age_s
+  FROM ledger.catchup_cursors
+ ORDER BY account
+
+-- name: console_failure_groups
+-- Failed events grouped by reason and type: how many, first and last seen.
+SELECT status, failure_reason AS reason, type, count(*) AS events,
+       min(updated_at) AS first_seen, max(updated_at) AS last_seen
+  FROM ledger.events
+ WHERE status IN ('failed_permanent', 'failed_recoverable')
+ GROUP BY status, failure_reason, type
+ ORDER BY count(*) DESC, status, reason, type
+ LIMIT %(limit)s
+
+-- name: console_event_delivery_list
+SELECT delivered_at, source FROM ledger.deliveries WHERE event_id = %(id)s ORDER BY delivered_at
+
+-- name: console_event_thin_of
+-- A snapshot event's thin notification: the notification applied under this event's id.
+SELECT event_id FROM ledger.snapshot_twins WHERE snapshot_event_id = %(id)s
+
+-- name: console_event_outbox
+SELECT id, effect, status, attempts, failure_reason, created_at, sent_at
+  FROM ledger.outbox
+ WHERE event_id = %(id)s
+ ORDER BY id
+
+-- name: replay_job_create
+-- Operator (console): a bulk replay of the events its filter matches now, fixed here. Nothing
+-- is created unless the count is the one the operator previewed and confirmed (then the set
+-- changed in between: preview again).
+WITH job AS (
+    INSERT INTO ledger.replay_jobs (actor, reason, filter, force, total)
+    VALUES (%(actor)s, %(reason)s, %(filter)s, %(force)s, %(expected)s)
+    RETURNING id
+), chosen AS (
+    INSERT INTO ledger.replay_job_events (job_id, event_id)
+    SELECT job.id, e.id FROM job, ledger.events e WHERE {where}
+    RETURNING event_id
+)
+SELECT (SELECT id FROM job) AS id, (SELECT count(*) FROM chosen) AS total
+
+-- name: replay_job_claim
+-- Console process: take a running job whose runner's lease expired (or that has none), for
+-- lease_s. Several console processes run none twice.
+UPDATE ledger.replay_jobs j
+   SET runner = %(runner)s, lease_expires_at = now() + make_interval(secs => %(lease_s)s)
+ WHERE j.id = (SELECT id FROM ledger.replay_jobs
+                WHERE status = 'running' AND (lease_expires_at IS NULL OR lease_expires_at < now()
+                                              OR runner = %(runner)s)
+                ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED)
+RETURNING j.id, j.actor, j.reason, j.force, j.filter
+
+-- name: replay_job_replay_next
+-- Runner: replay the job's next events, under the same guard as ledgerctl replay, while the
+-- job is running and the lease ours: a cancel stops it before the next batch. An event a
+-- worker holds, one already waiting, or (without force) one processed since, is skipped, as is
+-- one whose status is no longer the filter's. Each replay has its audit row naming the job.
+WITH job AS (
+    SELECT id, actor, reason, force, filter->>'status' AS status
+      FROM ledger.replay_jobs
+     WHERE id = %(job_id)s AND status = 'running' AND runner = %(runner)s
+       FOR NO KEY UPDATE
+), batch AS (
+    SELECT je.event_id
+      FROM ledger.replay_job_events je, job
+     WHERE je.job_id = job.id AND je.outcome IS NULL
+     ORDER BY je.event_id
+     LIMIT %(batch)s
+       FOR UPDATE OF je
+), target AS (
+    SELECT e.id, e.status
+      FROM ledger.events e, job, batch
+     WHERE e.id = batch.event_id
+       AND (e.status IN ('failed_permanent', 'failed_recoverable') OR (job.force AND e.status = 'processed'))
+       AND (job.status IS NULL OR e.status = job.status)
+       AND e.payload IS NOT NULL
+       FOR NO KEY UPDATE OF e SKIP LOCKED
+), replayed AS (
+    UPDATE ledger.events e
+       SET status = 'received', failure_reason = NULL, last_error = NULL, next_attempt_at = NULL,
+           processed_at = NULL, attempt_base = e.attempts, wakeup_at = now(), redrives = 0,
+           updated_at = now()
+      FROM target
+     WHERE e.id = target.id
+), audited AS (
+    INSERT INTO ledger.audit (event_id, action, actor, reason, from_status, replay_job_id)
+    SELECT target.id, 'replay', job.actor, job.reason, target.status, job.id FROM target, job
+), marked AS (
+    UPDATE ledger.replay_job_events je
+       SET outcome = CASE WHEN je.event_id IN (SELECT id FROM target) THEN 'replayed' ELSE 'skipped' END,
+           done_at = now()
+      FROM batch, job
+     WHERE je.job_id = job.id AND je.event_id = batch.event_id
+    RETURNING je.outcome
+), counted AS (
+    UPDATE ledger.replay_jobs j
+       SET replayed = j.replayed + (SELECT count(*) FROM marked WHERE outcome = 'replayed'),
+           skipped = j.skipped + (SELECT count(*) FROM marked WHERE outcome = 'skipped'),
+           lease_expires_at = now() + make_interval(secs => %(lease_s)s),
+           status = CASE WHEN j.replayed + j.skipped + (SELECT count(*) FROM marked) >= j.total
+                         THEN 'finished' ELSE j.status END,
+           finished_at = CASE WHEN j.replayed + j.skipped + (SELECT count(*) FROM marked) >= j.total
+                              THEN now() END
+      FROM job
+     WHERE j.id = job.id
+    RETURNING j.status
+)
+SELECT (SELECT status FROM counted) AS job_status, array(SELECT id FROM target) AS replayed,
+       (SELECT count(*) FROM batch) AS reached
+
+-- name: replay_job_cancel
+-- Operator: stop a running job; the events it has not reached stay as they are.
+UPDATE ledger.replay_jobs
+   SET status = 'cancelled', cancelled_by = %(actor)s, finished_at = now()
+ WHERE id = %(id)s AND status = 'running'
+RETURNING id
+
+-- name: replay_job_get
+SELECT id, actor, reason, filter, force, total, replayed, skipped, status, cancelled_by, created_at, finished_at
+  FROM ledger.replay_jobs
+ WHERE id = %(id)s
+
+-- name: replay_jobs_recent
+SELECT id, actor, reason, filter, force, total, replayed, skipped, status, cancelled_by, created_at, finished_at
+  FROM ledger.replay_jobs
+ ORDER BY id DESC
+ LIMIT %(limit)s
+
+-- name: reconcile_run_record
+INSERT INTO ledger.reconcile_runs (actor, account, types, fixed, checked, drift, fixes)
+VALUES (%(actor)s, %(account)s, %(types)s, %(fixed)s, %(checked)s, %(drift)s, %(fixes)s)
+RETURNING id, ran_at
+
+-- name: reconcile_runs_recent
+SELECT id, actor, account, types, fixed, checked, drift, fixes, ran_at
+  FROM ledger.reconcile_runs
+ ORDER BY ran_at DESC, id DESC
+ LIMIT %(limit)s
+
+-- name: reconcile_drift_latest
+-- For each object type, the drift of the latest run that compared it (the metric's source).
+SELECT DISTINCT ON (t.type) t.type, r.ran_at,
+       (SELECT count(DISTINCT d->>'id') FROM jsonb_array_elements(r.drift) d WHERE d->>'type' = t.type) AS objects
+  FROM ledger.reconcile_runs r, unnest(r.types) AS t(type)
+ ORDER BY t.type, r.ran_at DESC, r.id DESC
+
+-- name: console_event_payload
+-- The payload as recorded (NULL once retention pruned it).
+SELECT payload FROM ledger.events WHERE id = %(id)s
