@@ -19,7 +19,8 @@ at stop, when the `postgres` user that root must run it as cannot reach that one
 
 Then it runs `ledgerctl migrate` and starts the receiver (gunicorn on
 127.0.0.1:8000), $WORKERS Celery workers, the recovery sweep (`ledgerctl sweep
---loop`) and Flower (when installed), each in its own process group, logging to
+--loop`), the operator console (`ledgerctl console`, 127.0.0.1:8100) and Flower
+(when installed), each in its own process group, logging to
 $DEVSTACK_DIR/logs/. It writes the effective settings to $DEVSTACK_DIR/env
 (`. .devstack/env` in another shell, then `ledgerctl ...` talks to this stack),
 and prints a `ledgerctl send-test-event` command and a signed curl that deliver
@@ -35,6 +36,8 @@ Settings (environment):
   GUNICORN_THREADS    16      gthread threads per receiver process
   RECEIVER_PORT       8000
   FLOWER_PORT         5555
+  CONSOLE_PORT        8100    the operator console (ledgerctl console); LEDGER_CONSOLE_USERS unset: a
+                              dev-only operator devstack:devstack (printed), a fresh secret key per run
   FLOWER_BASIC_AUTH   devstack:devstack (printed) when unset
   DEVSTACK_DIR        <repo>/.devstack   pids, logs, env, private servers, prometheus multiprocess dir
   DEVSTACK_STOP_TIMEOUT 20   seconds a process gets to exit on SIGTERM before SIGKILL
@@ -71,12 +74,13 @@ from devkit.stack import http_request
 
 DEV_WEBHOOK_SECRET = "whsec_devstack_local_only_0123456789"
 DEV_FLOWER_AUTH = "devstack:devstack"
+DEV_CONSOLE_LOGIN = ("devstack", "devstack")
 FIXTURE = f"{REPO}/../shared/stripe-fixtures/customer.created__rubymock_1.json"
 DEFAULT_WEBHOOK_URL = "http://127.0.0.1:8000/webhooks/stripe"
 # Started before everything else and stopped after it (they are what the rest uses).
 SERVICES = ("postgres", "redis")
 # Stopped first, in this order: no new traffic, then the consumers.
-FRONT = ("receiver", "flower", "sweep")
+FRONT = ("receiver", "console", "flower", "sweep")
 # The effective settings $DEVSTACK_DIR/env carries for another shell.
 ENV_FILE_VARIABLES = re.compile(
     r"(DATABASE_URL|CELERY_BROKER_URL|FLOWER_BASIC_AUTH|LOG_LEVEL|(LEDGER|STRIPE|DB|BROKER|INGEST)_[A-Z0-9_]+)")
@@ -516,6 +520,24 @@ class Devstack:
         if failed:
             die(f"ledgerctl migrate failed (see {self.log_dir}/migrate.log)")
 
+    def start_console(self, ledgerctl: str) -> str:
+        """The operator console; without LEDGER_CONSOLE_USERS, a dev-only operator (its note says which)."""
+        import secrets
+
+        if port_in_use(self.console_port):
+            return f"not started: 127.0.0.1:{self.console_port} is in use (set CONSOLE_PORT)"
+        login = "the users of LEDGER_CONSOLE_USERS"
+        if not os.environ.get("LEDGER_CONSOLE_USERS"):
+            user, password = DEV_CONSOLE_LOGIN
+            hashed = subprocess.run([ledgerctl, "console", "hash-password"], input=password + "\n", text=True,
+                                    capture_output=True, check=True).stdout.strip()
+            os.environ["LEDGER_CONSOLE_USERS"] = f"{user}:{hashed}"
+            os.environ.setdefault("LEDGER_CONSOLE_OPERATORS", user)
+            login = f"log in {user}:{password}, dev only"
+        os.environ.setdefault("LEDGER_CONSOLE_SECRET_KEY", secrets.token_urlsafe(48))
+        self.command("console", [ledgerctl, "console", "--port", self.console_port])
+        return f"http://127.0.0.1:{self.console_port}  ({login})"
+
     def write_env(self, receiver_port: str) -> None:
         """The effective settings, for `. $DEVSTACK_DIR/env` in another shell and for scripts."""
         lines = ["# Written by ops/devstack up; removed by ops/devstack stop. "
@@ -595,6 +617,7 @@ class Devstack:
         self.gunicorn_threads = env_default("GUNICORN_THREADS", "16")
         self.receiver_port = env_default("RECEIVER_PORT", "8000")
         self.flower_port = env_default("FLOWER_PORT", "5555")
+        self.console_port = env_default("CONSOLE_PORT", "8100")
         if not self.workers.isdigit():
             die(f"WORKERS must be a number, got '{self.workers}'")
         if port_in_use(self.receiver_port):
@@ -673,6 +696,7 @@ class Devstack:
             self.command(f"worker-{i}", [celery, "-A", "workers", "worker", "--loglevel=INFO",
                                          f"--concurrency={self.concurrency}", "-n", f"devstack-worker-{i}@%h"])
         self.command("sweep", [ledgerctl, "sweep", "--loop"])
+        notes["console"] = self.start_console(ledgerctl)
 
         flower_note = "not installed (pip install -e '.[ops]')"
         if subprocess.run([celery, "flower", "--help"], stdout=subprocess.DEVNULL,
@@ -715,6 +739,8 @@ class Devstack:
                 failed.append(name)
         if "flower" not in self.started:
             print(f"  {'flower':<10} {flower_note}")
+        if "console" not in self.started:
+            print(f"  {'console':<10} {notes['console']}")
         print(f"  webhook:        http://127.0.0.1:{receiver_port}/webhooks/stripe")
         print(f"  webhook secret: {os.environ['STRIPE_WEBHOOK_SECRET']}{self.secret_note}")
         print(f"  database:       {os.environ['DATABASE_URL']}")

@@ -182,6 +182,35 @@ class Sweep(Process):
         super().__init__(name, [venv_tool("ledgerctl"), "sweep", "--loop"], env, Path(log_dir) / f"{name}.log")
 
 
+class Console(Process):
+    """``ledgerctl console``: the operator console under gunicorn, on a free port; ready when /login answers."""
+
+    def __init__(self, env: Mapping[str, str], log_dir: Path, *, port: int | None = None):
+        self.port = port or free_port()
+        super().__init__("console", [venv_tool("ledgerctl"), "console", "--port", str(self.port)], env,
+                         Path(log_dir) / f"console-{self.port}.log")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60) -> "Console":
+        super().start()
+
+        def ready() -> bool:
+            self.ensure_alive()
+            try:
+                return http_request(self.port, "GET", "/login", timeout=2).status_code == 200
+            except OSError:
+                return False
+        try:
+            wait_until(ready, timeout_s=timeout_s, what="the console to answer /login")
+        except AssertionError:
+            self.kill()
+            raise RuntimeError(f"console did not answer /login:\n{self.log(4000)}") from None
+        return self
+
+
 # The product's console scripts the classes above start (through venv_tool).
 PRODUCT_TOOLS = ("gunicorn", "granian", "celery", "ledgerctl")
 

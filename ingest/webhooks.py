@@ -19,12 +19,12 @@ import logging
 import time
 
 from flask import Blueprint, Response, abort, current_app, request
-from werkzeug.exceptions import RequestEntityTooLarge
 
 from ingest import metrics
 from ledger.stripe_events import InvalidEvent, parse_event, parse_notification
 from ingest.signature import InvalidSignature, verify
 from ledger.errors import DatabaseUnavailable
+from ledger.http import read_body
 
 log = logging.getLogger(__name__)
 
@@ -38,54 +38,6 @@ def _answer(http_status: int, outcome: str, started: float, **body):
     # machinery on every delivery.
     return Response(json.dumps({"outcome": outcome, **body}, separators=(",", ":")), status=http_status,
                     mimetype="application/json")
-
-
-# How long the receiver waits for the next bytes of a body (between two reads of the socket, like
-# nginx's client_body_timeout); a client that stops sending gets 400 then. Stripe sends a body at
-# once. Well below gunicorn's worker --timeout (30 s), past which a sync worker is killed mid-request.
-BODY_IDLE_TIMEOUT_S = 10.0
-
-
-def _read_body(max_bytes: int) -> bytes | None:
-    """The request body exactly as the client framed it; None when it cannot be read whole.
-
-    A body that ends before its Content-Length (the client went away, or half-closed), whose chunked
-    framing the server rejects while we read it (a bad chunk size, a missing terminator), or whose next
-    bytes do not come within BODY_IDLE_TIMEOUT_S is the client's doing: None, answered 400, never an
-    exception left to the 500 handler. The exception types are the server's own (gunicorn's parse
-    errors, werkzeug's ClientDisconnected, OSError), hence the broad except. Past ``max_bytes`` this
-    raises RequestEntityTooLarge (413).
-    """
-    declared = request.content_length
-    # gunicorn hands over its client socket (other servers have timeouts of their own); its default
-    # is to wait for the next bytes forever.
-    sock = request.environ.get("gunicorn.socket")
-    previous_timeout = sock.gettimeout() if sock is not None else None
-    try:
-        if sock is not None:
-            sock.settimeout(BODY_IDLE_TIMEOUT_S)
-        body = request.get_data(cache=False)
-        if declared is None and len(body) >= max_bytes and request.environ["wsgi.input"].read(1):
-            # A streamed (chunked) body is cut at the limit without an error: one byte more is too large.
-            raise RequestEntityTooLarge()
-    except RequestEntityTooLarge:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any failure to read the client's bytes is the client's
-        log.info("request body not read whole; answering 400", extra={"error_class": type(exc).__name__})
-        return None
-    finally:
-        if sock is not None:
-            try:
-                sock.settimeout(previous_timeout)
-            except OSError:
-                pass
-    if declared is not None and len(body) != declared:
-        # A server may hand over a short body without an error when the client stops early
-        # (gunicorn does); the signature could even verify, if the bytes that came are all there was.
-        log.info("request body shorter than its Content-Length; answering 400",
-                 extra={"content_length": declared, "received_bytes": len(body)})
-        return None
-    return body
 
 
 # Each endpoint answers 404, as if it did not exist, while its secret list is empty.
@@ -124,7 +76,7 @@ def _receive(secrets_of: str, parse):
     if not secrets:
         abort(404)
     started = time.perf_counter()
-    body = _read_body(ext.settings.max_body_bytes)  # past max_body_bytes this raises 413
+    body = read_body(ext.settings.max_body_bytes)  # past max_body_bytes this raises 413
     if body is None:
         return _answer(400, "incomplete_body", started,
                        error="the request body could not be read whole: it ended early or its framing is invalid")

@@ -32,6 +32,7 @@ DEFAULT_RANGE = timedelta(days=7)
 MAX_PAGE = 200
 COUNT_CAP = 10_000
 MAX_REPLAY = 100_000
+EXACT_PROCESSED_UP_TO = 50_000   # the overview counts processed events exactly up to this, then estimates
 
 # Field -> its fragment; a field left empty adds none. e is ledger.events.
 _PREDICATES = {
@@ -132,6 +133,7 @@ class Overview:
     health_alerts: list[dict[str, Any]]
     outbox: dict[str, Any] | None = None
     queue_depth: int | None = None
+    exact_up_to: int = EXACT_PROCESSED_UP_TO
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -162,10 +164,14 @@ class ConsoleLedger:
     def overview(self, *, health_alerts: list[dict[str, Any]]) -> Overview:
         unfinished = self._all(SQL.stats_unfinished)[0]
         counts = {row["status"]: row["events"] for row in self._all(SQL.console_status_counts)}
-        estimate = self._all(SQL.console_table_estimate)[0]["events"]
-        counts[EventStatus.PROCESSED.value] = max(0, estimate - sum(counts.values()))
+        processed = self._all(SQL.console_processed_count_capped, {"cap": EXACT_PROCESSED_UP_TO + 1})[0]["events"]
+        estimated = processed > EXACT_PROCESSED_UP_TO
+        if estimated:
+            estimate = self._all(SQL.console_table_estimate)[0]["events"]
+            processed = max(EXACT_PROCESSED_UP_TO, estimate - sum(counts.values()))
+        counts[EventStatus.PROCESSED.value] = processed
         by_status = {s.value: counts.get(s.value, 0) for s in EventStatus}
-        return Overview(by_status=by_status, processed_estimated=True,
+        return Overview(by_status=by_status, processed_estimated=estimated,
                         oldest_unprocessed_age_s=(float(unfinished["oldest_unprocessed_age_s"])
                                                   if unfinished["oldest_unprocessed_age_s"] is not None else None),
                         due_retries=unfinished["due_retries"], expired_leases=unfinished["expired_leases"],
@@ -193,8 +199,9 @@ class ConsoleLedger:
         return n + 1 if more else n
 
     def create_replay_job(self, query: EventQuery, *, expected: int, actor: str, reason: str | None,
-                          force: bool) -> int | None:
-        """The job's id; None (and nothing created) when the filter no longer matches ``expected`` events."""
+                          force: bool) -> tuple[int | None, int]:
+        """The job's id and its count; no id (and nothing created) when the filter matches another count
+        than ``expected`` now."""
         if expected > MAX_REPLAY:
             raise FilterError(f"a replay covers at most {MAX_REPLAY} events: narrow the filter")
         where, params = query._where()
@@ -202,13 +209,13 @@ class ConsoleLedger:
         try:
             with self._pool.get().connection() as conn, conn.transaction():
                 job_id, total = conn.execute(statement, {
-                    **params, "actor": actor, "reason": reason, "force": force, "expected": expected,
+                    **params, "actor": actor, "job_reason": reason, "force": force, "expected": expected,
                     "filter": json.dumps(query.as_json())}).fetchone()
                 if total != expected:
-                    raise _SetChanged()  # rolls the job back
-        except _SetChanged:
-            return None
-        return job_id
+                    raise _SetChanged(total)  # rolls the job back
+        except _SetChanged as changed:
+            return None, changed.args[0]
+        return job_id, total
 
     def claim_replay_job(self, *, runner: str, lease_s: float) -> dict[str, Any] | None:
         rows = self._all(SQL.replay_job_claim, {"runner": runner, "lease_s": lease_s})

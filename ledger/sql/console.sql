@@ -18,14 +18,19 @@ SELECT e.id, e.type, e.status, e.attempts, e.failure_reason, e.account, e.livemo
 SELECT count(*) AS events FROM (SELECT 1 FROM ledger.events e WHERE {where} LIMIT %(cap)s) matched
 
 -- name: console_status_counts
--- Exact counts of every status but processed, each read from a partial index; processed is
--- the table's estimated size less those (console_table_estimate), shown as an estimate.
+-- Exact counts of every status but processed, each read from a partial index. Processed is
+-- counted up to a cap (console_processed_count_capped), past which it is the table's estimated
+-- size less these (console_table_estimate), shown as an estimate.
 SELECT status, count(*) AS events
   FROM ledger.events
  WHERE status IN ('received', 'processing', 'failed_recoverable')
  GROUP BY status
 UNION ALL
 SELECT 'failed_permanent', count(*) FROM ledger.events WHERE status = 'failed_permanent'
+
+-- name: console_processed_count_capped
+-- Processed events, counted up to the cap: past it the overview estimates instead.
+SELECT count(*) AS events FROM (SELECT 1 FROM ledger.events WHERE status = 'processed' LIMIT %(cap)s) processed
 
 -- name: console_table_estimate
 SELECT greatest(reltuples, 0)::bigint AS events FROM pg_class WHERE oid = 'ledger.events'::regclass
@@ -82,12 +87,13 @@ SELECT id, effect, status, attempts, failure_reason, created_at, sent_at
  ORDER BY id
 
 -- name: replay_job_create
+-- (job_reason: the operator's why; reason, the filter's failure reason, belongs to {where}.)
 -- Operator (console): a bulk replay of the events its filter matches now, fixed here. Nothing
 -- is created unless the count is the one the operator previewed and confirmed (then the set
 -- changed in between: preview again).
 WITH job AS (
     INSERT INTO ledger.replay_jobs (actor, reason, filter, force, total)
-    VALUES (%(actor)s, %(reason)s, %(filter)s, %(force)s, %(expected)s)
+    VALUES (%(actor)s, %(job_reason)s, %(filter)s, %(force)s, %(expected)s)
     RETURNING id
 ), chosen AS (
     INSERT INTO ledger.replay_job_events (job_id, event_id)

@@ -8,6 +8,7 @@ allows no script at all; a running replay's page refreshes itself with a meta ta
 from __future__ import annotations
 
 import json
+import threading
 from datetime import datetime, timedelta, timezone
 
 from flask import Blueprint, Flask, abort, current_app, flash, g, redirect, render_template, request, session, url_for
@@ -21,6 +22,7 @@ from ledger.config import Settings
 from ledger.console import DEFAULT_RANGE, MAX_PAGE, MAX_REPLAY, SOURCES, ConsoleLedger, EventQuery, FilterError
 from ledger.db import ProcessPool
 from ledger.errors import LedgerError
+from ledger.http import read_body
 from ledger.operator import OperatorLedger
 from ledger.outbox import OutboxLedger
 from ledger.reconcile_runs import ReconcileRuns
@@ -31,11 +33,14 @@ from ops.console.settings import ConsoleSettings
 from workers.stripe_api import COLLECTIONS
 
 bp = Blueprint("console", __name__)
+_CELERY: dict = {}
+_CELERY_LOCK = threading.Lock()
 csrf = CSRFProtect()
 
 CSP = ("default-src 'none'; style-src 'self'; img-src 'self' data:; form-action 'self'; base-uri 'none'; "
        "frame-ancestors 'none'")
 PAGE_SIZE = 50
+MAX_FORM_BYTES = 64 * 1024
 
 
 class LoginForm(FlaskForm):
@@ -74,9 +79,11 @@ def create_app(settings: Settings | None = None, console: ConsoleSettings | None
     app = Flask(__name__)
     app.config.update(
         SECRET_KEY=console.secret_key, CONSOLE=console, LEDGER=settings,
-        SESSION_COOKIE_HTTPONLY=True, SESSION_COOKIE_SAMESITE="Strict", SESSION_COOKIE_SECURE=console.secure_cookies,
+        SESSION_COOKIE_HTTPONLY=True, SESSION_COOKIE_SAMESITE="Lax", SESSION_COOKIE_SECURE=console.secure_cookies,
         SESSION_COOKIE_NAME="ledger_console", PERMANENT_SESSION_LIFETIME=timedelta(hours=12),
-        WTF_CSRF_TIME_LIMIT=None, MAX_CONTENT_LENGTH=64 * 1024)
+        WTF_CSRF_TIME_LIMIT=None, MAX_CONTENT_LENGTH=MAX_FORM_BYTES)
+    # Before CSRFProtect's own hook, which parses the form.
+    app.before_request(_form_body_read_whole)
     csrf.init_app(app)
     pool = ProcessPool(settings, name="console", max_size=8)
     app.extensions["ledger"] = {
@@ -89,6 +96,7 @@ def create_app(settings: Settings | None = None, console: ConsoleSettings | None
     app.register_error_handler(FilterError, lambda exc: (render_template("error.html", code=400, message=str(exc)), 400))
     app.jinja_env.filters["when"] = _when
     app.jinja_env.filters["age"] = _age
+    app.jinja_env.filters["hhmm"] = lambda value: value.astimezone(timezone.utc).strftime("%H:%M")
     if run_replays:
         from ops.console.replays import ReplayRunner
 
@@ -99,15 +107,32 @@ def create_app(settings: Settings | None = None, console: ConsoleSettings | None
     return app
 
 
-def _waker(settings: Settings):
+def _celery(settings: Settings):
+    """The process's one publisher-only Celery app (made on first use: a page that never wakes nothing
+    makes none)."""
     from workers.app import make_celery
+
+    with _CELERY_LOCK:
+        if settings not in _CELERY:
+            _CELERY[settings] = make_celery(settings, publisher_only=True)
+        return _CELERY[settings]
+
+
+def _waker(settings: Settings):
     from workers.wakeup import Waker
 
-    return Waker(make_celery(settings, publisher_only=True))
+    return Waker(_celery(settings))
 
 
 def _ledger(name: str):
     return current_app.extensions["ledger"][name]
+
+
+def _form_body_read_whole():
+    """A POST's body read whole before anything parses it (CSRF, forms): a body the client framed badly,
+    cut short or stopped sending is a 400 here, never the server's exception turned 500."""
+    if request.method == "POST" and read_body(MAX_FORM_BYTES, cache=True) is None:
+        abort(400, "the request body could not be read whole: it ended early or its framing is invalid")
 
 
 def _security_headers(response):
@@ -190,13 +215,12 @@ def logout():
 @bp.get("/")
 @login_required
 def overview():
-    from workers.app import make_celery
     from workers.sweep import queue_depth
 
     settings = current_app.config["LEDGER"]
     view = _ledger("console").overview(health_alerts=_ledger("operator").health_alerts(5))
     view.outbox = _ledger("outbox").stats()
-    view.queue_depth = queue_depth(make_celery(settings, publisher_only=True), settings.queue_name)
+    view.queue_depth = queue_depth(_celery(settings), settings.queue_name)
     bars, top = charts.minute_bars(view.per_minute, [("processed", "ok"), ("failed", "bad")])
     return render_template("overview.html", view=view, bars=bars, top=top, chart=charts)
 
@@ -342,11 +366,12 @@ def replay_create():
         query = EventQuery.from_json(json.loads(form.filter.data)).checked()
     except (ValueError, TypeError) as exc:
         raise FilterError(f"the filter is not one the console made: {exc}") from None
-    job_id = _ledger("console").create_replay_job(
+    job_id, matched = _ledger("console").create_replay_job(
         query, expected=form.expected.data, actor=_actor(), reason=form.reason.data or None,
         force=query.status == EventStatus.PROCESSED.value)
     if job_id is None:
-        flash("nothing replayed: the filter matches another count now than the one you confirmed; check again")
+        flash(f"nothing replayed: the filter matches {matched} event(s) now, not the {form.expected.data} you "
+              "confirmed; check again")
         return redirect(url_for(".replay_preview", **_query_args(query)))
     return redirect(url_for(".replay_job", job_id=job_id))
 

@@ -6,7 +6,7 @@ LEDGER_CONSOLE_OPERATORS loses it at once). ``requires_operator`` answers 403 to
 endpoint itself, whatever the page showed.
 
 Failed logins are throttled per address and per name: after ``FREE_FAILURES`` within ``WINDOW_S``
-each further try must wait, doubling up to ``MAX_WAIT_S``. The counts live in the process: the
+each further try must wait ``FIRST_WAIT_S``, doubling with each failure up to ``MAX_WAIT_S``. The counts live in the process: the
 console runs as one process (threads for concurrency), so they cover every request.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from flask import abort, current_app, g, redirect, request, session, url_for
 from werkzeug.security import check_password_hash, generate_password_hash
 
 FREE_FAILURES = 5
+FIRST_WAIT_S = 15.0
 WINDOW_S = 900.0
 MAX_WAIT_S = 300.0
 # A hash to check against for an unknown name, so that both take the same time.
@@ -75,7 +76,7 @@ class LoginThrottle:
         over = len(recent) - FREE_FAILURES
         if over < 0:
             return 0.0
-        return max(0.0, recent[-1] + min(MAX_WAIT_S, 2.0 ** (over + 1)) - now)
+        return max(0.0, recent[-1] + min(MAX_WAIT_S, FIRST_WAIT_S * 2.0 ** over) - now)
 
 
 def current_user() -> User | None:

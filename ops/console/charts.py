@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timezone
 from typing import Sequence
 
 WIDTH, HEIGHT, PAD = 720, 160, 24
@@ -28,5 +29,5 @@ def minute_bars(rows: Sequence[dict], series: Sequence[tuple[str, str]]) -> tupl
             value = int(row[key])
             height = (HEIGHT - 2 * PAD) * value / top
             bars.append(Bar(PAD + i * slot + j * width, HEIGHT - PAD - height, width, height,
-                            f"{row['minute']:%H:%M} {key}: {value}", css))
+                            f"{row['minute'].astimezone(timezone.utc):%H:%M} UTC {key}: {value}", css))
     return bars, top

@@ -18,7 +18,7 @@ acceptable, for every case:
 * never a write to the ledger, and no payload in the server's log;
 * afterwards the same receiver records a good signed delivery (200 ``received``).
 
-A client that stops sending its body gets 400 once ingest.webhooks.BODY_IDLE_TIMEOUT_S has passed without
+A client that stops sending its body gets 400 once ledger.http.BODY_IDLE_TIMEOUT_S has passed without
 a byte of it. A client that stops in the middle of its head (slowloris) gets no answer while it holds the
 connection, and holds only its own worker (or thread): the receiver keeps serving others. Bounding that
 wait is gunicorn's business, and it does not do it well: a sync worker stuck there is killed after
@@ -43,7 +43,7 @@ import pytest
 
 from devkit.factories import body_of, sign, thin_notification
 from devkit.stack import RECEIVER_SERVERS, SUPPORTED_RECEIVER_SERVERS, Receiver
-from ingest.webhooks import BODY_IDLE_TIMEOUT_S
+from ledger.http import BODY_IDLE_TIMEOUT_S
 from tests.support.constants import WEBHOOK_SECRET
 from tests.support.raw_http import RawAnswer, Then, exchange, read_answer
 from tests.support.receiver import PAYLOAD_MARKER, count_events, drop_queue, event_body, event_row, receiver_env
@@ -56,7 +56,7 @@ WAIT_S = 5.0
 # A client that closed its side cannot read the answer: the server's log is read after this long.
 SETTLE_S = 0.5
 
-# The other endpoints' secrets: their framing is the same code's (ingest.webhooks._read_body), tried too.
+# The other endpoints' secrets: their framing is the same code's (ledger.http.read_body), tried too.
 THIN_SECRET = "whsec_test_framing_thin_0123"
 CONNECT_SECRET = "whsec_test_framing_connect_0123"
 

@@ -14,7 +14,7 @@ import json
 import pytest
 
 from devkit.factories import sign
-from ingest.webhooks import BODY_IDLE_TIMEOUT_S
+from ledger.http import BODY_IDLE_TIMEOUT_S
 from tests.support.constants import WEBHOOK_SECRET
 from tests.support.receiver import count_events, event_body
 
