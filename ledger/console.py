@@ -39,7 +39,8 @@ _PREDICATES = {
     "status": "e.status = %(status)s",
     "type_like": "e.type LIKE %(type_like)s",
     "reason": "e.failure_reason = %(reason)s",
-    "account": "e.account IS NOT DISTINCT FROM nullif(%(account)s, '')",
+    "account": "e.account = %(account)s",
+    "platform": "e.account IS NULL",
     "livemode": "e.livemode = %(livemode)s",
     "event_id": "e.id = %(event_id)s",
     "since": "e.received_at >= %(since)s",
@@ -49,9 +50,14 @@ _PREDICATES = {
 _SOURCE_PREDICATES = {
     # A thin notification's type is v1.* or v2.* (ledger.stripe_events); the others came as snapshots.
     "thin": "left(e.type, 3) = ANY(%(thin_prefixes)s)",
-    "webhook": ("left(e.type, 3) <> ALL(%(thin_prefixes)s) AND EXISTS "
-                "(SELECT 1 FROM ledger.deliveries d WHERE d.event_id = e.id AND d.source = 'webhook')"),
-    "catchup": "EXISTS (SELECT 1 FROM ledger.deliveries d WHERE d.event_id = e.id AND d.source = 'catchup')",
+    # Nearly every snapshot event came by webhook: probe each row of the range (a scalar subquery, which
+    # the planner keeps per row) rather than let it join the whole deliveries table.
+    "webhook": ("left(e.type, 3) <> ALL(%(thin_prefixes)s) AND (SELECT true FROM ledger.deliveries d "
+                "WHERE d.event_id = e.id AND d.source = 'webhook' LIMIT 1)"),
+    # Catch-up's deliveries are few: read them by time (a delivery comes at or after its event's
+    # received_at, so the range's start bounds them too), then the events they name.
+    "catchup": ("e.id IN (SELECT d.event_id FROM ledger.deliveries d WHERE d.source = 'catchup' "
+                "AND d.delivered_at >= coalesce(%(since)s, '-infinity'::timestamptz))"),
 }
 
 
@@ -104,7 +110,8 @@ class EventQuery:
     def _where(self, after: tuple[datetime, str] | None = None) -> tuple[pg_sql.Composable, dict[str, Any]]:
         params: dict[str, Any] = {
             "status": self.status, "type_like": glob_to_like(self.type_glob), "reason": self.reason,
-            "account": self.account, "livemode": self.livemode, "event_id": self.event_id, "since": self.since,
+            "account": self.account or None, "platform": True if self.account == "" else None,
+            "livemode": self.livemode, "event_id": self.event_id, "since": self.since,
             "until": self.until, "thin_prefixes": [V1_PREFIX, V2_PREFIX]}
         parts = [_PREDICATES[name] for name, value in params.items() if name in _PREDICATES and value is not None]
         if self.source is not None:

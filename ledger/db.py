@@ -16,11 +16,12 @@ from ledger.config import Settings
 
 class ProcessPool:
     def __init__(self, settings: Settings, *, name: str, max_size: int | None = None,
-                 statement_timeout_ms: int | None = None):
+                 statement_timeout_ms: int | None = None, interactive: bool = False):
         self._settings = settings
         self._name = name
         self._max_size = max_size or settings.db_pool_max_size
         self._statement_timeout_ms = statement_timeout_ms
+        self._interactive = interactive
         self._lock = threading.Lock()
         self._pool: ConnectionPool | None = None
         self._pid: int | None = None
@@ -39,6 +40,10 @@ class ProcessPool:
         options = f"-c application_name={self._name}"
         if self._statement_timeout_ms:
             options += f" -c statement_timeout={self._statement_timeout_ms}"
+        if self._interactive:
+            # A person waits on each statement (the console): no JIT compile and no parallel workers to
+            # start, whose few tens of milliseconds a short indexed statement never wins back.
+            options += " -c jit=off -c max_parallel_workers_per_gather=0"
         return ConnectionPool(
             self._settings.database_url,
             min_size=1,

@@ -57,6 +57,11 @@ CREATE INDEX IF NOT EXISTS reconcile_runs_ran_at_idx ON ledger.reconcile_runs (r
 CREATE INDEX IF NOT EXISTS events_received_at_id_idx ON ledger.events (received_at DESC, id DESC);
 CREATE INDEX IF NOT EXISTS events_status_received_at_id_idx ON ledger.events (status, received_at DESC, id DESC);
 CREATE INDEX IF NOT EXISTS events_type_received_at_id_idx ON ledger.events (type, received_at DESC, id DESC);
+CREATE INDEX IF NOT EXISTS events_account_received_at_id_idx ON ledger.events (account, received_at DESC, id DESC)
+    WHERE account IS NOT NULL;
+-- The source filter "catchup": the few deliveries catch-up made, by time.
+CREATE INDEX IF NOT EXISTS deliveries_catchup_idx ON ledger.deliveries (delivered_at, event_id)
+    WHERE source = 'catchup';
 -- The overview's failures per minute over the last hour.
 CREATE INDEX IF NOT EXISTS attempts_failed_finished_at_idx ON ledger.attempts (finished_at)
     WHERE outcome IN ('failed_recoverable', 'failed_permanent');

@@ -14,8 +14,12 @@ SELECT e.id, e.type, e.status, e.attempts, e.failure_reason, e.account, e.livemo
  LIMIT %(limit)s
 
 -- name: console_events_count_capped
--- How many events match, counted up to the cap: past it the console says "cap+".
-SELECT count(*) AS events FROM (SELECT 1 FROM ledger.events e WHERE {where} LIMIT %(cap)s) matched
+-- How many events match, counted up to the cap: past it the console says "cap+". In the list's
+-- order, so the count walks the same index from the newest row: a bare LIMIT lets the planner
+-- pick a sequential scan, which starts wherever the last one stopped (synchronized scans) and
+-- may read most of the table before the range's rows.
+SELECT count(*) AS events
+  FROM (SELECT 1 FROM ledger.events e WHERE {where} ORDER BY e.received_at DESC, e.id DESC LIMIT %(cap)s) matched
 
 -- name: console_status_counts
 -- Exact counts of every status but processed, each read from a partial index. Processed is

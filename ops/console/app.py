@@ -41,6 +41,8 @@ CSP = ("default-src 'none'; style-src 'self'; img-src 'self' data:; form-action 
        "frame-ancestors 'none'")
 PAGE_SIZE = 50
 MAX_FORM_BYTES = 64 * 1024
+# No page holds the database longer: a filter that would is answered 503, its statement cancelled.
+STATEMENT_TIMEOUT_MS = 10_000
 
 
 class LoginForm(FlaskForm):
@@ -85,7 +87,8 @@ def create_app(settings: Settings | None = None, console: ConsoleSettings | None
     # Before CSRFProtect's own hook, which parses the form.
     app.before_request(_form_body_read_whole)
     csrf.init_app(app)
-    pool = ProcessPool(settings, name="console", max_size=8)
+    pool = ProcessPool(settings, name="console", max_size=8, interactive=True,
+                       statement_timeout_ms=STATEMENT_TIMEOUT_MS)
     app.extensions["ledger"] = {
         "pool": pool, "console": ConsoleLedger(pool), "operator": OperatorLedger(pool),
         "outbox": OutboxLedger(pool), "reconcile_runs": ReconcileRuns(pool), "throttle": LoginThrottle()}

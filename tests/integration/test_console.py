@@ -284,3 +284,58 @@ def test_a_trusted_proxys_header_names_the_user_only_from_the_proxy(broker_setti
 def test_as_json_round_trips_a_query():
     query = EventQuery(status="failed_permanent", type_glob="invoice.*", account="", livemode=False).checked()
     assert EventQuery.from_json(json.loads(json.dumps(query.as_json()))) == query
+
+
+@pytest.mark.parametrize("path, form", [
+    ("/replay", {"filter": "not json", "expected": "1", "confirm": "y"}),
+    ("/replay", {"filter": '{"status": "nope"}', "expected": "1", "confirm": "y"}),
+    ("/replay", {"filter": '{"since": "yesterday"}', "expected": "1", "confirm": "y"}),
+    ("/replay", {"filter": '{"colour": "red"}', "expected": "1", "confirm": "y"}),
+    ("/replay", {"filter": '["a list"]', "expected": "1", "confirm": "y"}),
+    ("/replay", {"filter": '{"status": "failed_permanent"}', "expected": "abc", "confirm": "y"}),
+    ("/replay", {"filter": '{"status": "failed_permanent"}', "expected": "1"}),
+    ("/replay", {"filter": '{"status": "failed_permanent"}', "expected": "999999999", "confirm": "y"}),
+    ("/drift", {"object_type": "nope"}),
+    ("/drift", {"object_type": "customers", "fix": "y"}),
+    ("/events/evt_x/replay", {"reason": "x" * 5000}),
+    ("/outbox/1/replay", {"extra": "\x00"}),
+    ("/replay/jobs/1/cancel", {}),
+])
+def test_bad_form_input_gets_a_4xx_and_changes_nothing(app, kit, path, form):
+    operator = client_for(app, "olga")
+    answer = operator.post(path, data={**form, "csrf_token": token_of(operator, "/events")})
+    assert 400 <= answer.status_code < 500 or answer.status_code == 302, answer.text[:300]
+    # A cancel of no job, a replay of no effect: back to the page, saying so.
+    assert answer.status_code != 302 or path.endswith(("/cancel", "/outbox/1/replay"))
+    assert kit.query("SELECT count(*) AS n FROM ledger.replay_jobs") == [{"n": 0}]
+    assert kit.query("SELECT count(*) AS n FROM ledger.audit") == [{"n": 0}]
+
+
+def test_the_source_account_and_mode_filters_select_exactly_their_events(kit):
+    import dataclasses
+
+    from devkit.factories import incoming, thin_notification
+
+    now = int(time.time())
+    platform = kit.record(event("customer.created", {"id": "cus_p", "object": "customer"}, created=now))
+    connected = kit.record(event("customer.created", {"id": "cus_c", "object": "customer"}, created=now,
+                                 account="acct_1Filter", livemode=True))
+    missed = event("invoice.paid", {"id": "in_m", "object": "invoice"}, created=now)
+    kit.store().record_delivery(dataclasses.replace(incoming(missed), source="catchup"))
+    both = event("invoice.created", {"id": "in_b", "object": "invoice"}, created=now)
+    kit.record(both)
+    kit.store().record_delivery(dataclasses.replace(incoming(both), source="catchup"))
+    thin = thin_notification("v1.customer.updated", related={"id": "cus_p", "object": "customer"}, created=now)
+    kit.store().record_delivery(incoming(thin))
+    console = ConsoleLedger(kit.pool("console"))
+
+    def ids(**fields) -> set[str]:
+        return {row["id"] for row in console.page(EventQuery(**fields).checked(), size=50).rows}
+
+    assert ids(source="catchup") == {missed["id"], both["id"]}
+    assert ids(source="webhook") == {platform, connected, both["id"]}
+    assert ids(source="thin") == {thin["id"]}
+    assert ids(account="acct_1Filter") == {connected}
+    assert ids(account="") == {platform, missed["id"], both["id"], thin["id"]}
+    assert ids(livemode=True) == {connected}
+    assert console.count(EventQuery(source="catchup").checked()) == (2, False)
