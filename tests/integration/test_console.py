@@ -18,6 +18,7 @@ from ops.console.auth import LoginThrottle, hash_password
 from ops.console.replays import ReplayRunner
 from ops.console.settings import ConsoleSettings
 from tests.support.receiver import WakeupQueue  # noqa: F401  (the broker_settings fixture's queue)
+from tests.support.stripe_api import fake_stripe  # noqa: F401
 
 PASSWORD = "correct horse battery staple"
 
@@ -339,3 +340,51 @@ def test_the_source_account_and_mode_filters_select_exactly_their_events(kit):
     assert ids(account="") == {platform, missed["id"], both["id"], thin["id"]}
     assert ids(livemode=True) == {connected}
     assert console.count(EventQuery(source="catchup").checked()) == (2, False)
+
+
+def test_the_drift_page_runs_reconcile_keeps_its_report_and_fixes_only_when_confirmed(
+        broker_settings, console_settings, kit, fake_stripe):
+    import dataclasses
+
+    from tests.integration.test_reconcile import stripe_state
+
+    stripe_state(fake_stripe)
+    settings = dataclasses.replace(broker_settings, stripe_api_key=fake_stripe.api_key,
+                                   stripe_api_base=fake_stripe.base_url)
+    app = create_app(settings, console_settings, run_replays=False)
+    try:
+        operator = client_for(app, "olga")
+        token = token_of(operator, "/drift")
+        refused = operator.post("/drift", data={"object_type": "customers", "fix": "y", "csrf_token": token})
+        assert refused.status_code == 400 and kit.query("SELECT count(*) AS n FROM billing.customers") == [{"n": 0}]
+        assert operator.post("/drift", data={"object_type": "customers", "csrf_token": token}).status_code == 302
+        page = operator.get("/drift").text
+        assert "cus_1" in page and "missing_locally" in page and "console:olga" in page
+        assert kit.query("SELECT count(*) AS n FROM billing.customers") == [{"n": 0}]   # compared, not fixed
+        fixed = operator.post("/drift", data={"object_type": "customers", "fix": "y", "confirm_fix": "y",
+                                              "csrf_token": token})
+        assert fixed.status_code == 302
+        assert kit.query("SELECT count(*) AS n FROM billing.customers") == [{"n": 2}]
+        runs = kit.query("SELECT actor, types, fixed FROM ledger.reconcile_runs ORDER BY id")
+        assert runs == [{"actor": "console:olga", "types": ["customers"], "fixed": False},
+                        {"actor": "console:olga", "types": ["customers"], "fixed": True}]
+    finally:
+        app.extensions["ledger"]["pool"].close()
+
+
+def test_the_latest_reconcile_run_of_each_type_is_the_drift_metric(kit):
+    from ledger.operator import OperatorLedger
+    from ledger.reconcile_runs import ReconcileRuns
+    from workers.metrics import LedgerCollector
+
+    runs = ReconcileRuns(kit.pool("reports"))
+    drifted = [{"type": "customers", "id": f"cus_{i}", "kind": "missing_locally"} for i in range(3)]
+    runs.record({"account": None, "checked": {}, "drift": drifted, "fixes": []}, actor="a", types=["customers"],
+                fixed=False)
+    runs.record({"account": None, "checked": {}, "drift": drifted[:1] + [{"type": "invoices", "id": "in_1",
+                                                                         "kind": "stale_status"}], "fixes": []},
+                actor="a", types=["customers", "invoices", "charges"], fixed=False)
+    families = {f.name: f for f in LedgerCollector(OperatorLedger(kit.pool("m")), reconcile=runs).collect()}
+    samples = {s.labels["type"]: s.value for s in families["reconcile_drift_objects"].samples}
+    assert samples == {"customers": 1, "invoices": 1, "charges": 0}
+    assert families["reconcile_last_run_timestamp_seconds"].samples[0].value > time.time() - 60
