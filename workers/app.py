@@ -70,6 +70,13 @@ class SharedClientRedisTransport(kombu.transport.redis.Transport):
     Channel = _SharedClientRedisChannel
 
 
+AMQP_SCHEMES = ("amqp", "amqps", "pyamqp")
+
+
+def is_amqp(broker_url: str) -> bool:
+    return urlparse(broker_url).scheme in AMQP_SCHEMES
+
+
 def make_celery(settings: Settings, *, publisher_only: bool = False) -> Celery:
     app = Celery("workers", broker=settings.broker_url, set_as_current=not publisher_only)
     if urlparse(settings.broker_url).scheme == "redis":
@@ -84,6 +91,12 @@ def make_celery(settings: Settings, *, publisher_only: bool = False) -> Celery:
         # The receiver must answer Stripe quickly even when the broker is down:
         # one short try, then the recovery sweep owns the wake-up.
         transport_options["max_retries"] = 0
+    if is_amqp(settings.broker_url):
+        # Publisher confirms: a wake-up counts as sent only once RabbitMQ took it (a basic.ack), so one
+        # it refused or lost is the sweep's, never silently gone. The Waker waits BROKER_TIMEOUT_S at
+        # most for the ack (a broker blocked by a memory alarm never acks): then the wake-up is left to
+        # the sweep and the receiver answers.
+        transport_options["confirm_publish"] = True
     app.conf.update(
         broker_transport_options=transport_options,
         broker_connection_timeout=settings.broker_timeout_s,

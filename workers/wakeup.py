@@ -37,7 +37,7 @@ from celery.utils.saferepr import saferepr
 from kombu import Connection, Producer
 from kombu.utils.json import dumps, loads
 
-from workers.app import DISPATCH_EFFECT_TASK, PROCESS_EVENT_TASK
+from workers.app import DISPATCH_EFFECT_TASK, PROCESS_EVENT_TASK, is_amqp
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class _Publisher:
     producer: Producer
     # By task name: the message of the task's first wake-up, on the Redis broker (see the module's docstring).
     templates: dict[str, _Template] = field(default_factory=dict)
+    confirms: bool = False
 
     def publish(self, celery: Celery, task: str, arg, countdown_s: float | None) -> None:
         template = self.templates.get(task) if countdown_s is None else None
@@ -81,9 +82,11 @@ class _Publisher:
         keeps_template = countdown_s is None and hasattr(channel, "on_put")
         if keeps_template:
             channel.on_put = lambda key, message: captured.append(_Template(key, copy.deepcopy(message)))
+        # On RabbitMQ (publisher confirms: workers/app.py) the ack is waited for BROKER_TIMEOUT_S at most.
+        confirm = {"confirm_timeout": celery.conf.broker_connection_timeout} if self.confirms else {}
         try:
             celery.send_task(task, args=[arg], countdown=countdown_s, retry=False, producer=self.producer,
-                             declare=[])
+                             declare=[], **confirm)
         finally:
             if keeps_template:
                 channel.on_put = None
@@ -154,7 +157,7 @@ class Waker:
         except BaseException:
             connection.close()
             raise
-        return _Publisher(connection, producer)
+        return _Publisher(connection, producer, confirms=is_amqp(self._celery.conf.broker_url))
 
     def _put_back(self, publisher: _Publisher) -> None:
         with self._lock:

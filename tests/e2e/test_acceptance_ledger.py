@@ -14,6 +14,7 @@ import dataclasses
 import json
 import re
 import time
+import uuid
 from pathlib import Path
 
 import psycopg
@@ -22,6 +23,7 @@ from pytest_bdd import given, parsers, scenarios, then, when
 
 from devkit.factories import BASIL_API, OLD_API, SubscriptionHistory, event, new_id
 from devkit.procs import free_port, pid_alive, wait_until
+from devkit.servers import RabbitVhost
 from devkit.stripe_sim import MANUAL, Answer, SimEvent, StripeSimulator, fixture_events
 from tests.support import acceptance_business
 from tests.support.acceptance import DEADLINE_S, Ledger, Stack, Stacks, kill_pid, sweep_until_redriven
@@ -33,12 +35,25 @@ scenarios("features")
 
 # -- fixtures -------------------------------------------------------------------------------
 
+@pytest.fixture(scope="module", autouse=True, params=["redis", "amqp"])
+def acceptance_broker(request, redis_url):
+    """Every scenario runs on each broker: Redis, and a RabbitMQ vhost of the run's own. Autouse: the
+    scenarios reach the stack through their steps, which pytest cannot see when it parametrizes."""
+    if request.param == "redis":
+        yield redis_url
+        return
+    if not RabbitVhost.available():
+        pytest.skip("no RabbitMQ on 127.0.0.1:5672 that rabbitmqctl can manage")
+    with RabbitVhost(f"acceptance-{uuid.uuid4().hex[:8]}") as vhost:
+        yield vhost.url
+
+
 @pytest.fixture(scope="module")
-def acceptance_stacks(database_url, redis_url, tmp_path_factory):
+def acceptance_stacks(acceptance_broker, database_url, tmp_path_factory):
     """Receivers and workers, per retry profile, started on first use and shared by this module's scenarios."""
     with psycopg.connect(database_url, autocommit=True) as conn:
         acceptance_business.ensure_tables(conn)
-    stacks = Stacks(database_url, redis_url, WEBHOOK_SECRET, tmp_path_factory.mktemp("acceptance"))
+    stacks = Stacks(database_url, acceptance_broker, WEBHOOK_SECRET, tmp_path_factory.mktemp("acceptance"))
     yield stacks
     stacks.close()
 
@@ -168,7 +183,9 @@ def _(world):
 @given("the receiver cannot reach the broker")
 def _(world):
     settings = world.stack.settings
-    dead_broker = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    # Nothing listens there, on the stack's own kind of broker.
+    dead_broker = (f"amqp://guest:guest@127.0.0.1:{free_port()}//" if settings.broker_url.startswith("amqp")
+                   else f"redis://127.0.0.1:{free_port()}/0")
     receiver = world.start_receiver(receiver_env(settings.database_url, dead_broker, WEBHOOK_SECRET,
                                                  LEDGER_QUEUE=settings.queue_name, BROKER_TIMEOUT_S="0.5"),
                                     workers=1)

@@ -85,7 +85,16 @@ def count_events(url: str) -> int:
 # -- the wake-up queue (Celery's redis transport keeps a queue as a Redis list) -----
 
 def drop_queue(broker_url: str, name: str) -> None:
-    """Delete a wake-up queue so no test after this one finds our messages (no-op if the broker is down)."""
+    """Delete a wake-up queue so no test after this one finds our messages (no-op if the broker is down).
+    On RabbitMQ the queue is emptied (its declaration stays the workers')."""
+    if broker_url.startswith("amqp"):
+        from devkit.servers import purge_amqp_queues
+
+        try:
+            purge_amqp_queues(broker_url, [name])
+        except OSError:
+            pass
+        return
     if not broker_url.startswith("redis"):
         return
     try:
