@@ -127,26 +127,34 @@ class Waker:
         return self._send(DISPATCH_EFFECT_TASK, outbox_id, countdown_s, {"outbox_id": outbox_id})
 
     def _send(self, task: str, arg, countdown_s: float | None, fields: dict) -> bool:
-        publisher = None
-        try:
-            publisher = self._take()
-            publisher.publish(self._celery, task, arg, countdown_s)
-        except Exception as exc:  # any broker or network failure: the sweep recovers it
-            if publisher is not None:
-                publisher.close()
-            log.warning("wake-up not sent; the sweep will re-drive it",
-                        extra={**fields, "error_class": type(exc).__name__})
-            return False
-        self._put_back(publisher)
-        return True
+        # A kept producer's connection may have been closed under it (a broker restart, RabbitMQ's
+        # heartbeat check on an idle one): that publish is tried once more, on a fresh connection; never
+        # after a timeout (see _timed_out).
+        for fresh in (False, True):
+            publisher = None
+            try:
+                publisher, made = self._take(fresh=fresh)
+                publisher.publish(self._celery, task, arg, countdown_s)
+            except Exception as exc:  # any broker or network failure: the sweep recovers it
+                if publisher is not None:
+                    publisher.close()
+                if not fresh and publisher is not None and not made and not _timed_out(exc):
+                    continue
+                log.warning("wake-up not sent; the sweep will re-drive it",
+                            extra={**fields, "error_class": type(exc).__name__})
+                return False
+            self._put_back(publisher)
+            return True
+        return False
 
-    def _take(self) -> _Publisher:
+    def _take(self, *, fresh: bool = False) -> tuple[_Publisher, bool]:
+        """An idle producer (False), or a new one (True): always new when ``fresh``."""
         with self._lock:
             if self._pid != os.getpid():
                 self._idle, self._pid = [], os.getpid()  # the parent's: never used, nor closed, here
-            if self._idle:
-                return self._idle.pop()
-        return self._make()  # outside the lock: connecting may take BROKER_TIMEOUT_S
+            if self._idle and not fresh:
+                return self._idle.pop(), False
+        return self._make(), True  # outside the lock: connecting may take BROKER_TIMEOUT_S
 
     def _make(self) -> _Publisher:
         connection = self._celery.connection_for_write()
@@ -178,6 +186,12 @@ class Waker:
             return True
         except Exception:
             return False
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """A broker that did not answer in time (a timeout of the socket, a confirm, redis-py's own): trying
+    again would only double the wait the caller (the receiver's answer) already paid."""
+    return isinstance(exc, TimeoutError) or "Timeout" in type(exc).__name__
 
 
 def _is_plain_wakeup(message: dict, arg) -> bool:

@@ -115,11 +115,24 @@ def test_after_a_failed_publish_its_producer_is_closed_and_the_next_wakeup_makes
 
     fake_server.connected = False
     assert waker.wake("evt_during") is False
+    assert len(connections) == 1            # the kept one failed; one try on a fresh connection failed too
     fake_server.connected = True
 
     assert waker.wake("evt_after") is True
-    assert len(connections) == 1
+    assert len(connections) == 2
     assert [_args(m) for m in reversed(_queued(fake_server))] == [["evt_before"], ["evt_again"], ["evt_after"]]
+
+
+def test_a_kept_producer_whose_connection_was_closed_under_it_is_replaced_within_the_same_wake_up(
+        waker, fake_server):
+    """A broker restart, or RabbitMQ's heartbeat check on an idle connection, closes a kept producer's
+    connection: the next wake-up still goes through, on a fresh one, instead of waiting for the sweep."""
+    assert waker.wake("evt_before") is True
+    fake_server.connected = False
+    waker._idle[0].connection.close()
+    fake_server.connected = True
+    assert waker.wake("evt_after") is True
+    assert [_args(m) for m in reversed(_queued(fake_server))] == [["evt_before"], ["evt_after"]]
 
 
 def test_a_countdown_survives_the_held_producer(waker, fake_server):
