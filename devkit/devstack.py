@@ -28,7 +28,7 @@ a real event.
 
 Settings (environment):
   DATABASE_URL        postgresql://postgres@127.0.0.1:5432/ledger
-  CELERY_BROKER_URL   redis://127.0.0.1:6379/0
+  CELERY_BROKER_URL   redis://127.0.0.1:6379/0 (--broker amqp: amqp://guest:guest@127.0.0.1:5672//)
   STRIPE_WEBHOOK_SECRET  a dev-only whsec_ value (printed) when unset
   WORKERS             2       Celery worker processes (each with WORKER_CONCURRENCY children)
   WORKER_CONCURRENCY  2
@@ -73,6 +73,12 @@ from devkit.servers import PrivatePostgres, PrivateRedis, pg_bin, with_db
 from devkit.stack import http_request
 
 DEV_WEBHOOK_SECRET = "whsec_devstack_local_only_0123456789"
+# --broker: the broker the stack runs on when CELERY_BROKER_URL is unset.
+BROKER_URLS = {"redis": "redis://127.0.0.1:6379/0", "amqp": "amqp://guest:guest@127.0.0.1:5672//"}
+
+
+def broker_scheme_prefixes(broker: str) -> tuple[str, ...]:
+    return ("redis://", "rediss://") if broker == "redis" else ("amqp://", "amqps://", "pyamqp://")
 DEV_FLOWER_AUTH = "devstack:devstack"
 DEV_CONSOLE_LOGIN = ("devstack", "devstack")
 FIXTURE = f"{REPO}/../shared/stripe-fixtures/customer.created__rubymock_1.json"
@@ -498,6 +504,14 @@ class Devstack:
 
     def ensure_broker(self) -> str:
         url = os.environ["CELERY_BROKER_URL"]
+        if url.startswith(broker_scheme_prefixes("amqp")):
+            # RabbitMQ is never started privately: it must answer, or nothing starts.
+            host, _, port = url.split("@")[-1].split("/")[0].partition(":")
+            if not answers(int(port or 5672), host=host or "127.0.0.1"):
+                die(f"no RabbitMQ answers at {host}:{port or 5672} (CELERY_BROKER_URL); start one, or run "
+                    "ops/devstack --broker redis")
+            say(f"using RabbitMQ at {host}:{port or 5672}")
+            return "RabbitMQ (publisher confirms on)"
         if not url.startswith(("redis://", "rediss://")):
             return ""  # another broker: used as configured
         state, message = redis_state(url)
@@ -591,14 +605,26 @@ class Devstack:
     # -- up ------------------------------------------------------------------------------------
     def up(self, args: list[str]) -> None:
         detach = False
-        for arg in args:
+        broker = None
+        args = list(args)
+        while args:
+            arg = args.pop(0)
             if arg in ("-d", "--detach"):
                 detach = True
             elif arg in ("-h", "--help"):
                 usage()
                 raise SystemExit(0)
+            elif arg == "--broker" or arg.startswith("--broker="):
+                broker = arg.partition("=")[2] or (args.pop(0) if args else "")
+                if broker not in BROKER_URLS:
+                    die(f"--broker is one of {', '.join(BROKER_URLS)}, not '{broker}'")
             else:
                 die(f"unknown option for up: {arg}")
+        if broker is not None:
+            configured = os.environ.get("CELERY_BROKER_URL")
+            if configured and not configured.startswith(broker_scheme_prefixes(broker)):
+                die(f"--broker {broker} but CELERY_BROKER_URL is {configured.split('@')[-1]}: unset it or agree")
+            os.environ.setdefault("CELERY_BROKER_URL", BROKER_URLS[broker])
 
         os.makedirs(self.pid_dir, exist_ok=True)
         os.makedirs(self.log_dir, exist_ok=True)
@@ -813,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
     command = args.pop(0) if args else "up"
     if command in ("up", "start"):
         stack.up(args)
-    elif command in ("-d", "--detach"):
+    elif command.startswith("-") and command not in ("-h", "--help"):
         stack.up([command, *args])
     elif command in ("stop", "down"):
         stack.stop_supervisor()

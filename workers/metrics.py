@@ -49,10 +49,12 @@ HEALTH_ALERTS = Counter("stripe_health_alerts_total",
 class LedgerCollector:
     """Gauges read from ledger.events at scrape time (only the small unfinished set, plus status counts)."""
 
-    def __init__(self, operator, outbox=None, reconcile=None):
+    def __init__(self, operator, outbox=None, reconcile=None, queue_depths=None):
         self._operator = operator
         self._outbox = outbox
         self._reconcile = reconcile
+        # A callable: {queue name: messages waiting, None when the broker does not answer}, on either broker.
+        self._queue_depths = queue_depths
 
     def collect(self):
         try:
@@ -67,6 +69,13 @@ class LedgerCollector:
                                     value=outbox["failed_permanent"])
             yield GaugeMetricFamily("outbox_oldest_unsent_age_seconds", "Age of the oldest unsent effect",
                                     value=outbox["oldest_unsent_age_s"] or 0.0)
+        if self._queue_depths is not None:
+            depth = GaugeMetricFamily("broker_queue_depth", "Wake-ups waiting in the broker's queue (Redis or "
+                                      "RabbitMQ); absent while the broker does not answer", labels=["queue"])
+            for queue, messages in self._queue_depths().items():
+                if messages is not None:
+                    depth.add_metric([queue], messages)
+            yield depth
         by_status = GaugeMetricFamily("ledger_events", "Events in the ledger by status", labels=["status"])
         for status, count in stats["by_status"].items():
             by_status.add_metric([status], count)
@@ -91,17 +100,17 @@ class LedgerCollector:
                                         value=max(row["ran_at"] for row in drift).timestamp())
 
 
-def registry_for_export(operator=None, outbox=None, reconcile=None) -> CollectorRegistry:
+def registry_for_export(operator=None, outbox=None, reconcile=None, queue_depths=None) -> CollectorRegistry:
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
     else:
         registry = REGISTRY
     if operator is not None:
-        registry.register(LedgerCollector(operator, outbox, reconcile))
+        registry.register(LedgerCollector(operator, outbox, reconcile, queue_depths))
     return registry
 
 
-def serve(port: int, operator=None, outbox=None, reconcile=None) -> None:
+def serve(port: int, operator=None, outbox=None, reconcile=None, queue_depths=None) -> None:
     """Expose /metrics on ``port`` from a background thread of this process."""
-    start_http_server(port, registry=registry_for_export(operator, outbox, reconcile))
+    start_http_server(port, registry=registry_for_export(operator, outbox, reconcile, queue_depths))

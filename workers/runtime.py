@@ -73,6 +73,11 @@ def sweep_process(settings: Settings, *, operator=None, outbox: OutboxLedger | N
         from ledger.reconcile_runs import ReconcileRuns
         from workers.metrics import serve
 
+        from workers.app import effects_queue
+        from workers.sweep import queue_depth
+
+        queues = (settings.queue_name, effects_queue(settings.queue_name))
         serve(settings.metrics_port, operator=operator, outbox=outbox or runtime.outbox,
-              reconcile=ReconcileRuns(runtime.pool))
+              reconcile=ReconcileRuns(runtime.pool),
+              queue_depths=lambda: {queue: queue_depth(runtime.celery, queue) for queue in queues})
     return runtime.sweeper

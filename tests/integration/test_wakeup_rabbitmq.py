@@ -1,6 +1,6 @@
 """Wake-ups on RabbitMQ, on a vhost of the test's own: publisher confirms make a wake-up the broker
-refused count as not sent (the sweep's to re-drive), the queue depth the sweep and ``ledgerctl stats``
-read is RabbitMQ's, and a broker that never acks holds the publisher BROKER_TIMEOUT_S at most."""
+refused count as not sent (the sweep's to re-drive), and the queue depth the sweep, ``ledgerctl stats``
+and the broker_queue_depth gauge read is the broker's, on RabbitMQ as on Redis."""
 from __future__ import annotations
 
 import json
@@ -15,12 +15,13 @@ from workers.app import make_celery
 from workers.sweep import queue_depth
 from workers.wakeup import Waker
 
-pytestmark = pytest.mark.skipif(not RabbitVhost.available(),
-                                reason="no RabbitMQ on 127.0.0.1:5672 that rabbitmqctl can manage")
+NO_RABBITMQ = "no RabbitMQ on 127.0.0.1:5672 that rabbitmqctl can manage"
 
 
 @pytest.fixture
 def vhost():
+    if not RabbitVhost.available():
+        pytest.skip(NO_RABBITMQ)
     with RabbitVhost(f"wakeups-{uuid.uuid4().hex[:8]}") as made:
         yield made
 
@@ -52,5 +53,31 @@ def test_a_wake_up_rabbitmq_refuses_is_not_sent(vhost):
             assert time.monotonic() < deadline, "RabbitMQ never refused a publish past max-length"
             time.sleep(0.2)
         assert queue_depth(make_celery(config, publisher_only=True), config.queue_name) == 1
+    finally:
+        waker.close()
+
+
+@pytest.mark.parametrize("broker", ["redis", "amqp"])
+def test_the_sweeps_queue_depth_gauge_reads_either_broker(request, broker, kit):
+    from ledger.operator import OperatorLedger
+    from workers.app import effects_queue
+    from workers.metrics import LedgerCollector
+
+    if broker == "amqp":
+        made = request.getfixturevalue("vhost")
+        url = made.url
+    else:
+        url = request.getfixturevalue("broker_settings").broker_url
+    config = Settings(broker_url=url, queue_name=f"q-{uuid.uuid4().hex[:8]}")
+    waker = Waker(make_celery(config, publisher_only=True))
+    try:
+        assert waker.wake("evt_1") and waker.wake("evt_2") and waker.wake_effect(7)
+        celery = make_celery(config)
+        queues = (config.queue_name, effects_queue(config.queue_name))
+        collector = LedgerCollector(OperatorLedger(kit.pool("m")),
+                                    queue_depths=lambda: {q: queue_depth(celery, q) for q in queues})
+        family = next(f for f in collector.collect() if f.name == "broker_queue_depth")
+        assert {s.labels["queue"]: s.value for s in family.samples} == {config.queue_name: 2,
+                                                                          effects_queue(config.queue_name): 1}
     finally:
         waker.close()
