@@ -1074,6 +1074,7 @@ def _steady_level(b: Bench, c: int, payload: str = "snapshot", events: list[Back
             deadlocks0 = b.deadlocks()
             self0 = resource.getrusage(resource.RUSAGE_SELF)
             fake0 = cpu_seconds(api.process.pid) if api is not None else 0.0
+            wal0 = b.db.one(SQL.bench_wal_lsn)
             meter.begin_cpu(processed)
             machine = MachineCpu().begin()
             r = b.wrk.run(rc.port, deliveries, c, max_duration_s=600)
@@ -1081,6 +1082,7 @@ def _steady_level(b: Bench, c: int, payload: str = "snapshot", events: list[Back
             resent = _wait_processed(b, rc, unique, timeout_s=max(300, len(unique) / 10))
             busy = machine.end()
             meter.end_cpu(processed)
+            wal_bytes = b.db.one(SQL.bench_wal_bytes_since, {"lsn": wal0})
             fake_s = cpu_seconds(api.process.pid) - fake0 if api is not None else 0.0
             self1 = resource.getrusage(resource.RUSAGE_SELF)
             fetches = api.requests() if api is not None else None
@@ -1112,7 +1114,7 @@ def _steady_level(b: Bench, c: int, payload: str = "snapshot", events: list[Back
            "cpu_ms": {k: 1000 * v / n for k, v in cpu.items()}, "cpu_ms_total": 1000 * sum(cpu.values()) / n,
            "client_cpu_ms": {"wrk": 1000 * r.wrk_cpu_s / n, "bench driver": 1000 * driver_s / n},
            "wrk_cpu_pct": r.wrk_cpu_pct, "peak_rss_mb": rss, "busy": busy["busy"], "iowait": busy["iowait"],
-           "deadlocks": deadlocks, "attempts_deadlocked": attempts_deadlocked, "log_deadlocks": log_deadlocks,
+           "wal_kb_per_event": wal_bytes / 1024 / n, "deadlocks": deadlocks, "attempts_deadlocked": attempts_deadlocked, "log_deadlocks": log_deadlocks,
            **{k: cost[k] for k in ("statements_per_event", "round_trips_per_event", "statements_by_name",
                                    "exec_ms_by_name", "redis_commands_per_event", "redis_by_command")}}
     api_note = ""
@@ -1127,7 +1129,9 @@ def _steady_level(b: Bench, c: int, payload: str = "snapshot", events: list[Back
     log(f"  steady [{side}, {b.broker_label}{'' if payload == 'snapshot' else ', ' + payload}] c={c:<3} ack "
         f"{r.rps:7.1f} req/s p50 {r.p50_ms:6.1f} ms p99 {r.p99_ms:7.1f} ms | "
         f"end-to-end {row['e2e_eps']:7.1f} events/s ({stats['processed']} in {e2e_s:.1f}s, backlog at the last "
-        f"ack {backlog}) | CPU {row['cpu_ms_total']:.2f} ms/event, machine {100 * row['busy']:.0f}% busy{api_note} | "
+        f"ack {backlog}) | CPU {row['cpu_ms_total']:.2f} ms/event "
+        f"({', '.join(f'{k} {v:.2f}' for k, v in row['cpu_ms'].items())}), WAL {row['wal_kb_per_event']:.1f} KB/event, "
+        f"machine {100 * row['busy']:.0f}% busy{api_note} | "
         f"deadlocks {deadlocks} (attempts {attempts_deadlocked}) | errors {row['errors']}")
     b.clear()
     return row

@@ -190,3 +190,10 @@ SELECT count(*) FROM {table}
 
 -- name: bench_database_size
 SELECT pg_database_size(current_database())
+
+-- name: bench_wal_lsn
+-- Where the WAL is now: a phase's WAL bytes are the difference of two (bench_wal_bytes_since).
+SELECT pg_current_wal_lsn()::text
+
+-- name: bench_wal_bytes_since
+SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %(lsn)s::pg_lsn)::bigint
