@@ -18,6 +18,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from psycopg import sql as pg_sql
+from psycopg.rows import dict_row
 
 from ledger.db import ProcessPool
 from ledger.operator import glob_to_like
@@ -229,11 +230,22 @@ class ConsoleLedger:
         return rows[0] if rows else None
 
     def replay_next(self, job_id: int, *, runner: str, batch: int, lease_s: float) -> tuple[str | None, list[str]]:
-        """Replay the job's next batch: the job's status after it (None: no longer ours, or cancelled
-        before it) and the ids replayed, to wake."""
-        row = self._all(SQL.replay_job_replay_next, {"job_id": job_id, "runner": runner, "batch": batch,
-                                                     "lease_s": lease_s})[0]
-        return row["job_status"], list(row["replayed"] or [])
+        """Replay the job's next batch, in one transaction: the job's status after it (None: no longer
+        ours, or cancelled before it) and the ids replayed, to wake once this returns (committed)."""
+        with self._pool.get().connection() as conn, conn.transaction():
+            cursor = conn.cursor(row_factory=dict_row)
+            job = cursor.execute(SQL.replay_job_take_batch, {"job_id": job_id, "runner": runner,
+                                                             "batch": batch}).fetchone()
+            if job is None:
+                return None, []
+            replayed = [event_id for event_id in job["event_ids"] if cursor.execute(
+                SQL.event_replay_if_finished_or_failed,
+                {"id": event_id, "actor": job["actor"], "reason": job["reason"], "force": job["force"],
+                 "expected_status": job["expected_status"], "replay_job_id": job_id}).fetchone()]
+            status = cursor.execute(SQL.replay_job_record_batch, {
+                "job_id": job_id, "replayed": replayed, "reached": job["event_ids"], "lease_s": lease_s,
+            }).fetchone()["status"]
+        return status, replayed
 
     def cancel_replay_job(self, job_id: int, *, actor: str) -> bool:
         return bool(self._all(SQL.replay_job_cancel, {"id": job_id, "actor": actor}))

@@ -87,7 +87,8 @@ class OperatorLedger:
     def replay(self, event_id: str, *, actor: str, reason: str | None, force: bool) -> str | None:
         """Move one event back to received; its previous status, or None if it was not replayable."""
         rows = self._all(SQL.event_replay_if_finished_or_failed,
-                         {"id": event_id, "actor": actor, "reason": reason, "force": force})
+                         {"id": event_id, "actor": actor, "reason": reason, "force": force, "expected_status": None,
+                          "replay_job_id": None})
         return rows[0]["from_status"] if rows else None
 
 

@@ -117,63 +117,40 @@ UPDATE ledger.replay_jobs j
                 ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED)
 RETURNING j.id, j.actor, j.reason, j.force, j.filter
 
--- name: replay_job_replay_next
--- Runner: replay the job's next events, under the same guard as ledgerctl replay, while the
--- job is running and the lease ours: a cancel stops it before the next batch. An event a
--- worker holds, one already waiting, or (without force) one processed since, is skipped, as is
--- one whose status is no longer the filter's. Each replay has its audit row naming the job.
-WITH job AS (
-    SELECT id, actor, reason, force, filter->>'status' AS status
-      FROM ledger.replay_jobs
-     WHERE id = %(job_id)s AND status = 'running' AND runner = %(runner)s
-       FOR NO KEY UPDATE
-), batch AS (
-    SELECT je.event_id
-      FROM ledger.replay_job_events je, job
-     WHERE je.job_id = job.id AND je.outcome IS NULL
-     ORDER BY je.event_id
-     LIMIT %(batch)s
-       FOR UPDATE OF je
-), target AS (
-    SELECT e.id, e.status
-      FROM ledger.events e, job, batch
-     WHERE e.id = batch.event_id
-       AND (e.status IN ('failed_permanent', 'failed_recoverable') OR (job.force AND e.status = 'processed'))
-       AND (job.status IS NULL OR e.status = job.status)
-       AND e.payload IS NOT NULL
-       FOR NO KEY UPDATE OF e SKIP LOCKED
-), replayed AS (
-    UPDATE ledger.events e
-       SET status = 'received', failure_reason = NULL, last_error = NULL, next_attempt_at = NULL,
-           processed_at = NULL, attempt_base = e.attempts, wakeup_at = now(), redrives = 0,
-           updated_at = now()
-      FROM target
-     WHERE e.id = target.id
-), audited AS (
-    INSERT INTO ledger.audit (event_id, action, actor, reason, from_status, replay_job_id)
-    SELECT target.id, 'replay', job.actor, job.reason, target.status, job.id FROM target, job
-), marked AS (
+-- name: replay_job_take_batch
+-- Runner, in the transaction of one batch: the job, while it is running and the lease ours (a
+-- cancel stops it before the next batch), locked for the batch; and the job's next events not
+-- reached yet. Each is then replayed by event_replay_if_finished_or_failed (operations.sql),
+-- the one replay transition, with the job's filter status as the expected status.
+SELECT j.id, j.actor, j.reason, j.force, j.filter->>'status' AS expected_status,
+       array(SELECT je.event_id FROM ledger.replay_job_events je
+              WHERE je.job_id = j.id AND je.outcome IS NULL
+              ORDER BY je.event_id LIMIT %(batch)s) AS event_ids
+  FROM ledger.replay_jobs j
+ WHERE j.id = %(job_id)s AND j.status = 'running' AND j.runner = %(runner)s
+   FOR NO KEY UPDATE
+
+-- name: replay_job_record_batch
+-- Runner, same transaction: what became of the batch's events (replayed, or skipped: a worker
+-- held it, it was waiting already, or it left the filter), the job's counts, its lease renewed,
+-- and finished once every event was reached.
+WITH marked AS (
     UPDATE ledger.replay_job_events je
-       SET outcome = CASE WHEN je.event_id IN (SELECT id FROM target) THEN 'replayed' ELSE 'skipped' END,
+       SET outcome = CASE WHEN je.event_id = ANY(%(replayed)s) THEN 'replayed' ELSE 'skipped' END,
            done_at = now()
-      FROM batch, job
-     WHERE je.job_id = job.id AND je.event_id = batch.event_id
+     WHERE je.job_id = %(job_id)s AND je.event_id = ANY(%(reached)s)
     RETURNING je.outcome
-), counted AS (
-    UPDATE ledger.replay_jobs j
-       SET replayed = j.replayed + (SELECT count(*) FROM marked WHERE outcome = 'replayed'),
-           skipped = j.skipped + (SELECT count(*) FROM marked WHERE outcome = 'skipped'),
-           lease_expires_at = now() + make_interval(secs => %(lease_s)s),
-           status = CASE WHEN j.replayed + j.skipped + (SELECT count(*) FROM marked) >= j.total
-                         THEN 'finished' ELSE j.status END,
-           finished_at = CASE WHEN j.replayed + j.skipped + (SELECT count(*) FROM marked) >= j.total
-                              THEN now() END
-      FROM job
-     WHERE j.id = job.id
-    RETURNING j.status
 )
-SELECT (SELECT status FROM counted) AS job_status, array(SELECT id FROM target) AS replayed,
-       (SELECT count(*) FROM batch) AS reached
+UPDATE ledger.replay_jobs j
+   SET replayed = j.replayed + (SELECT count(*) FROM marked WHERE outcome = 'replayed'),
+       skipped = j.skipped + (SELECT count(*) FROM marked WHERE outcome = 'skipped'),
+       lease_expires_at = now() + make_interval(secs => %(lease_s)s),
+       status = CASE WHEN j.replayed + j.skipped + (SELECT count(*) FROM marked) >= j.total
+                     THEN 'finished' ELSE j.status END,
+       finished_at = CASE WHEN j.replayed + j.skipped + (SELECT count(*) FROM marked) >= j.total
+                          THEN now() END
+ WHERE j.id = %(job_id)s
+RETURNING j.status
 
 -- name: replay_job_cancel
 -- Operator: stop a running job; the events it has not reached stay as they are.

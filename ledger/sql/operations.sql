@@ -62,17 +62,20 @@ SELECT id
  LIMIT %(limit)s
 
 -- name: event_replay_if_finished_or_failed
--- Operator: failed_permanent | failed_recoverable (| processed, with force) -> received.
--- The same guarded compare-and-set as every transition: an event a worker holds,
--- or one already waiting, is left alone (no row). The retry budget starts again
--- (attempt_base), the history keeps its attempts, and the audit says who and why.
--- A processed event whose payload retention removed cannot be replayed.
+-- Operator (ledgerctl replay, the console, a console replay job): failed_permanent |
+-- failed_recoverable (| processed, with force) -> received. The same guarded compare-and-set
+-- as every transition: an event a worker holds, or one already waiting, is left alone (no
+-- row); so is one whose status is no longer expected_status (a replay job's filter; NULL: any).
+-- The retry budget starts again (attempt_base), the history keeps its attempts, and the audit
+-- says who, why, and which replay job (NULL: none). A processed event whose payload retention
+-- removed cannot be replayed.
 WITH target AS (
     SELECT id, status
       FROM ledger.events
      WHERE id = %(id)s
        AND (status IN ('failed_permanent', 'failed_recoverable')
             OR (%(force)s AND status = 'processed'))
+       AND (%(expected_status)s::text IS NULL OR status = %(expected_status)s)
        AND payload IS NOT NULL
        FOR NO KEY UPDATE
 ), replayed AS (
@@ -83,8 +86,8 @@ WITH target AS (
       FROM target
      WHERE e.id = target.id
 ), audited AS (
-    INSERT INTO ledger.audit (event_id, action, actor, reason, from_status)
-    SELECT id, 'replay', %(actor)s, %(reason)s, status FROM target
+    INSERT INTO ledger.audit (event_id, action, actor, reason, from_status, replay_job_id)
+    SELECT id, 'replay', %(actor)s, %(reason)s, status, %(replay_job_id)s FROM target
 )
 SELECT id, status AS from_status FROM target
 
