@@ -220,3 +220,88 @@ def purge_amqp_queues(url: str, queues) -> None:
             except conn.channel_errors:
                 continue  # not declared yet: the broker closed the channel
             channel.close()
+
+
+class PrivateRabbit:
+    """A RabbitMQ node of our own (``rabbitmq-server`` from the installed package, as the rabbitmq user),
+    on free ports, its data in a temporary directory: a test may kill it, restart it, or raise a memory
+    alarm on it without touching the machine's node. guest may connect from anywhere (its loopback
+    limit is off): tests reach it from network namespaces too."""
+
+    def __init__(self):
+        self.name = f"ledger-{secrets.token_hex(3)}@localhost"
+        self.port = free_port()
+        self.dist_port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="ledger-rabbit-"))
+        (self.dir / "plugins").write_text("[].\n")
+        (self.dir / "rabbitmq.conf").write_text("loopback_users = none\n")
+        entry = pwd.getpwnam("rabbitmq") if os.geteuid() == 0 else None
+        if entry is not None:
+            for path in (self.dir, self.dir / "plugins", self.dir / "rabbitmq.conf"):
+                os.chown(path, entry.pw_uid, entry.pw_gid)
+        self.env = {**os.environ, "RABBITMQ_NODENAME": self.name, "RABBITMQ_NODE_PORT": str(self.port),
+                    "RABBITMQ_DIST_PORT": str(self.dist_port), "RABBITMQ_MNESIA_BASE": str(self.dir / "mnesia"),
+                    "RABBITMQ_LOG_BASE": str(self.dir / "log"), "RABBITMQ_PID_FILE": str(self.dir / "pid"),
+                    "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.dir / "plugins"),
+                    "RABBITMQ_CONFIG_FILE": str(self.dir / "rabbitmq")}
+        self._process: subprocess.Popen | None = None
+
+    @staticmethod
+    def available() -> str | None:
+        """None when a node can be started here; else why not."""
+        if shutil.which("rabbitmq-server") is None or shutil.which("rabbitmqctl") is None:
+            return "rabbitmq-server is not installed (Debian: apt-get install rabbitmq-server)"
+        return None
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}//"
+
+    def ctl(self, *args: str, check: bool = True) -> str:
+        done = subprocess.run(["rabbitmqctl", "-q", "-n", self.name, *args], capture_output=True, text=True,
+                              timeout=120, env=self.env)
+        if check and done.returncode != 0:
+            raise RuntimeError(f"rabbitmqctl {' '.join(args)}: {(done.stderr or done.stdout).strip()[:300]}")
+        return done.stdout
+
+    def start(self, timeout_s: float = 90) -> "PrivateRabbit":
+        with open(self.dir / "server.log", "ab") as out:
+            self._process = subprocess.Popen(["rabbitmq-server"], env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, start_new_session=True)
+        wait_until(lambda: answers(self.port), timeout_s=timeout_s, interval_s=0.2,
+                   what="the private RabbitMQ node to listen")
+        self.ctl("await_startup")
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the node's whole process group: a crash."""
+        import signal
+
+        # The Erlang VM runs as the rabbitmq user, outside the wrapper's group: its pid file names it.
+        try:
+            os.kill(int((self.dir / "pid").read_text().split()[0]), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            pass
+        if self._process is not None and self._process.poll() is None:
+            try:
+                os.killpg(self._process.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            self._process.wait(timeout=30)
+        wait_until(lambda: not answers(self.port), timeout_s=30, what="the private RabbitMQ node to be gone")
+
+    def block_publishers(self) -> None:
+        """A memory alarm: RabbitMQ blocks every connection that publishes."""
+        self.ctl("set_vm_memory_high_watermark", "0.0000001")
+
+    def unblock_publishers(self) -> None:
+        self.ctl("set_vm_memory_high_watermark", "0.4")
+
+    def destroy(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self.ctl("stop", check=False)
+            try:
+                self._process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)

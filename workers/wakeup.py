@@ -94,8 +94,11 @@ class _Publisher:
             self.templates[task] = captured[0]
 
     def close(self) -> None:
+        # Dropped without the closing handshake: a broker that stopped answering (RabbitMQ blocks a
+        # publishing connection during a memory alarm) would never answer it, and the caller (the
+        # receiver, its answer to Stripe) would wait for good.
         try:
-            self.connection.close()
+            self.connection.collect()
         except Exception:  # a broken connection may fail to close; it is dropped all the same
             pass
 
