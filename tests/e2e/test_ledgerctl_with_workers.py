@@ -6,6 +6,8 @@ import dataclasses
 import json
 import time
 
+import pytest
+
 from devkit.factories import event
 from devkit.procs import wait_until
 from tests.support.operator import ACTOR, audit
@@ -13,6 +15,10 @@ from tests.support.replay_handlers import FIXED_TYPE, MODULE as FIXED_HANDLERS
 from tests.support.workers import TEST_HANDLERS, run_ledgerctl
 from workers.app import make_celery
 from workers.wakeup import Waker
+from tests.support.ledger_fixtures import BROKERS
+
+# On Redis and on a RabbitMQ vhost of the test's own.
+pytestmark = pytest.mark.parametrize("broker_settings", BROKERS, indirect=True)
 
 
 def wake(settings, event_id: str) -> None:

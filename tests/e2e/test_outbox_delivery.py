@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import pytest
+
 from devkit.factories import SubscriptionHistory
 from devkit.procs import free_port, wait_until
 from tests.support.effect_endpoint import SECRET
@@ -14,6 +16,10 @@ from tests.support.outbox_handlers import (LIFECYCLE_ENTITLEMENT_CHANGES, custom
 from tests.support.workers import run_ledgerctl
 from workers.app import make_celery
 from workers.runtime import Runtime
+from tests.support.ledger_fixtures import BROKERS
+
+# On Redis and on a RabbitMQ vhost of the test's own.
+pytestmark = pytest.mark.parametrize("broker_settings", BROKERS, indirect=True)
 
 LEASE_S = 5  # the minimum Settings accepts: a killed worker's leases expire quickly
 

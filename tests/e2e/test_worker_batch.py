@@ -7,11 +7,17 @@ import json
 import time
 from collections import Counter
 
+import pytest
+
 from devkit.factories import event
 from devkit.procs import wait_until
 from workers.app import EVENT_BATCH_MAX, make_celery
 from workers.batching import MAX_HOLD_S
 from workers.wakeup import Waker
+from tests.support.ledger_fixtures import BROKERS
+
+# On Redis and on a RabbitMQ vhost of the test's own.
+pytestmark = pytest.mark.parametrize("broker_settings", BROKERS, indirect=True)
 
 BACKLOG = 150
 

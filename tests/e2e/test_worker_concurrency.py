@@ -12,6 +12,10 @@ from devkit.factories import event
 from devkit.procs import wait_until
 from workers.app import make_celery
 from workers.wakeup import Waker
+from tests.support.ledger_fixtures import BROKERS
+
+# On Redis and on a RabbitMQ vhost of the test's own.
+pytestmark = pytest.mark.parametrize("broker_settings", BROKERS, indirect=True)
 
 
 def _task_results(workers) -> Counter:

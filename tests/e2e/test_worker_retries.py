@@ -4,9 +4,15 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import pytest
+
 from devkit.factories import event
 from workers.app import make_celery
 from workers.wakeup import Waker
+from tests.support.ledger_fixtures import BROKERS
+
+# On Redis and on a RabbitMQ vhost of the test's own.
+pytestmark = pytest.mark.parametrize("broker_settings", BROKERS, indirect=True)
 
 
 def test_a_handler_failing_twice_then_succeeding_is_processed_by_real_workers_on_their_own(

@@ -46,9 +46,23 @@ def kit(settings, effects_table):
     k.close()
 
 
+# A module runs its tests on both brokers with:
+#     pytestmark = pytest.mark.parametrize("broker_settings", BROKERS, indirect=True)
+BROKERS = ["redis", "amqp"]
+
+
 @pytest.fixture
-def broker_settings(settings, redis_url):
-    """settings with a redis database and a queue of this test's own, flushed before and after."""
+def broker_settings(request, settings, redis_url):
+    """settings with a broker of this test's own and a queue of its own: a redis database, flushed before
+    and after (the default), or, when the test is parametrized with "amqp", a RabbitMQ vhost, dropped after."""
+    if getattr(request, "param", "redis") == "amqp":
+        from devkit.servers import RabbitVhost
+
+        if not RabbitVhost.available():
+            pytest.skip("no RabbitMQ on 127.0.0.1:5672 that rabbitmqctl can manage")
+        with RabbitVhost(f"test-{uuid.uuid4().hex[:10]}") as vhost:
+            yield dataclasses.replace(settings, broker_url=vhost.url, queue_name=f"q-{uuid.uuid4().hex[:10]}")
+        return
     base = redis_url.rsplit("/", 1)[0]
     with redis.Redis.from_url(redis_url) as probe:
         databases = int(probe.config_get("databases")["databases"])
