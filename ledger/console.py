@@ -1,9 +1,8 @@
 """The console's side of the ledger: the event list and its counts, the overview, failure groups,
 replay jobs and reconcile reports. Statements: ledger/sql/console.sql.
 
-The list filters by fixed fragments (``_PREDICATES``), each added only when its field is set, so a
-filter's plan always walks an index of migration 0008 rather than a generic plan's scan. Pages are
-keyset pages newest first: ``after`` is the (received_at, id) of the last row shown.
+Events are chosen by ``ledger.event_query.EventQuery``. Pages are keyset pages newest first: ``after``
+is the (received_at, id) of the last row shown.
 
 A replay job is the set of events its filter matched when the operator confirmed it, fixed then
 (``create_replay_job``); events arriving later or leaving the filter are never added. A console
@@ -13,114 +12,23 @@ next batch.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
-from datetime import datetime, timedelta, timezone
+from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from psycopg import sql as pg_sql
 from psycopg.rows import dict_row
 
 from ledger.db import ProcessPool
-from ledger.operator import glob_to_like
+from ledger.event_query import EventQuery, FilterError
 from ledger.queries import SQL
 from ledger.states import EventStatus
 from ledger.statements import run_statement
-from ledger.stripe_events import V1_PREFIX, V2_PREFIX
 
-SOURCES = ("webhook", "catchup", "thin")
-MAX_RANGE = timedelta(days=31)
-DEFAULT_RANGE = timedelta(days=7)
 MAX_PAGE = 200
 COUNT_CAP = 10_000
 MAX_REPLAY = 100_000
 EXACT_PROCESSED_UP_TO = 50_000   # the overview counts processed events exactly up to this, then estimates
-
-# Field -> its fragment; a field left empty adds none. e is ledger.events.
-_PREDICATES = {
-    "status": "e.status = %(status)s",
-    "type_like": "e.type LIKE %(type_like)s",
-    "reason": "e.failure_reason = %(reason)s",
-    "account": "e.account = %(account)s",
-    "platform": "e.account IS NULL",
-    "livemode": "e.livemode = %(livemode)s",
-    "event_id": "e.id = %(event_id)s",
-    "since": "e.received_at >= %(since)s",
-    "until": "e.received_at < %(until)s",
-    "after": "(e.received_at, e.id) < (%(after_at)s, %(after_id)s)",
-}
-_SOURCE_PREDICATES = {
-    # A thin notification's type is v1.* or v2.* (ledger.stripe_events); the others came as snapshots.
-    "thin": "left(e.type, 3) = ANY(%(thin_prefixes)s)",
-    # Nearly every snapshot event came by webhook: probe each row of the range (a scalar subquery, which
-    # the planner keeps per row) rather than let it join the whole deliveries table.
-    "webhook": ("left(e.type, 3) <> ALL(%(thin_prefixes)s) AND (SELECT true FROM ledger.deliveries d "
-                "WHERE d.event_id = e.id AND d.source = 'webhook' LIMIT 1)"),
-    # Catch-up's deliveries are few: read them by time (a delivery comes at or after its event's
-    # received_at, so the range's start bounds them too), then the events they name.
-    "catchup": ("e.id IN (SELECT d.event_id FROM ledger.deliveries d WHERE d.source = 'catchup' "
-                "AND d.delivered_at >= coalesce(%(since)s, '-infinity'::timestamptz))"),
-}
-
-
-class FilterError(ValueError):
-    """A filter the console refuses (a range too wide, a source it does not know): the message says why."""
-
-
-@dataclass(frozen=True)
-class EventQuery:
-    status: str | None = None
-    type_glob: str | None = None
-    reason: str | None = None
-    source: str | None = None
-    account: str | None = None      # '' the platform
-    livemode: bool | None = None
-    event_id: str | None = None
-    since: datetime | None = None
-    until: datetime | None = None
-
-    def checked(self, now: datetime | None = None) -> "EventQuery":
-        """This query with its time range made explicit and bounded: by default the last seven days, at
-        most 31 days. An exact id needs no range."""
-        now = now or datetime.now(timezone.utc)
-        if self.status is not None and self.status not in {s.value for s in EventStatus}:
-            raise FilterError(f"unknown status {self.status!r}")
-        if self.source is not None and self.source not in SOURCES:
-            raise FilterError(f"unknown source {self.source!r}: one of {', '.join(SOURCES)}")
-        if self.event_id is not None:
-            return self
-        until = self.until or now
-        since = self.since or until - DEFAULT_RANGE
-        if since >= until:
-            raise FilterError("the range's start must be before its end")
-        if until - since > MAX_RANGE:
-            raise FilterError(f"the time range is at most {MAX_RANGE.days} days")
-        return EventQuery(**{**asdict(self), "since": since, "until": until})
-
-    def as_json(self) -> dict[str, Any]:
-        return {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in asdict(self).items()
-                if v is not None}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "EventQuery":
-        values = dict(data)
-        for key in ("since", "until"):
-            if values.get(key):
-                values[key] = datetime.fromisoformat(values[key])
-        return cls(**values)
-
-    def _where(self, after: tuple[datetime, str] | None = None) -> tuple[pg_sql.Composable, dict[str, Any]]:
-        params: dict[str, Any] = {
-            "status": self.status, "type_like": glob_to_like(self.type_glob), "reason": self.reason,
-            "account": self.account or None, "platform": True if self.account == "" else None,
-            "livemode": self.livemode, "event_id": self.event_id, "since": self.since,
-            "until": self.until, "thin_prefixes": [V1_PREFIX, V2_PREFIX]}
-        parts = [_PREDICATES[name] for name, value in params.items() if name in _PREDICATES and value is not None]
-        if self.source is not None:
-            parts.append(_SOURCE_PREDICATES[self.source])
-        if after is not None:
-            params["after_at"], params["after_id"] = after
-            parts.append(_PREDICATES["after"])
-        return pg_sql.SQL(" AND ".join(f"({p})" for p in parts) or "true"), params
 
 
 @dataclass
@@ -155,16 +63,16 @@ class ConsoleLedger:
     # -- the event list --------------------------------------------------------------------------
     def page(self, query: EventQuery, *, size: int, after: tuple[datetime, str] | None = None) -> Page:
         size = max(1, min(size, MAX_PAGE))
-        where, params = query._where(after)
-        rows = self._all(pg_sql.SQL(SQL.console_events_page).format(where=where), {**params, "limit": size + 1})
+        where, params = query.where(after)
+        rows = self._all(pg_sql.SQL(SQL.events_page).format(where=where), {**params, "limit": size + 1})
         more = len(rows) > size
         rows = rows[:size]
         return Page(rows, (rows[-1]["received_at"], rows[-1]["id"]) if more else None)
 
     def count(self, query: EventQuery, *, cap: int = COUNT_CAP) -> tuple[int, bool]:
         """How many events match, and whether that is the cap (there are more)."""
-        where, params = query._where()
-        n = self._all(pg_sql.SQL(SQL.console_events_count_capped).format(where=where),
+        where, params = query.where()
+        n = self._all(pg_sql.SQL(SQL.events_count_capped).format(where=where),
                       {**params, "cap": cap + 1})[0]["events"]
         return min(n, cap), n > cap
 
@@ -212,7 +120,7 @@ class ConsoleLedger:
         than ``expected`` now."""
         if expected > MAX_REPLAY:
             raise FilterError(f"a replay covers at most {MAX_REPLAY} events: narrow the filter")
-        where, params = query._where()
+        where, params = query.where()
         statement = pg_sql.SQL(SQL.replay_job_create).format(where=where)
         try:
             with self._pool.get().connection() as conn, conn.transaction():

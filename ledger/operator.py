@@ -7,34 +7,14 @@ only move an event that nobody is working on. Statements are named SQL
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, Callable, Iterable, Iterator
 
+from psycopg import sql as pg_sql
+
 from ledger.db import ProcessPool
+from ledger.event_query import EventQuery
 from ledger.queries import SQL
 from ledger.statements import run_statement
-
-
-def glob_to_like(pattern: str | None) -> str | None:
-    """``invoice.*`` -> ``invoice.%`` (event types never contain % or _ wildcards we must keep)."""
-    if pattern is None:
-        return None
-    escaped = pattern.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-    return escaped.replace("*", "%").replace("?", "_")
-
-
-@dataclass(frozen=True)
-class EventFilter:
-    status: str | None = None
-    type_glob: str | None = None
-    since: datetime | None = None
-    until: datetime | None = None
-    reason: str | None = None
-
-    def params(self) -> dict[str, Any]:
-        return {"status": self.status, "type_like": glob_to_like(self.type_glob), "since": self.since,
-                "until": self.until, "reason": self.reason}
 
 
 class OperatorLedger:
@@ -60,8 +40,10 @@ class OperatorLedger:
         """Stripe's event generation failures (ledger.health_alerts), newest first."""
         return self._all(SQL.health_alerts_recent, {"limit": limit})
 
-    def list_events(self, where: EventFilter, limit: int) -> list[dict[str, Any]]:
-        return self._all(SQL.events_list, {**where.params(), "limit": limit})
+    def list_events(self, query: EventQuery, limit: int) -> list[dict[str, Any]]:
+        """The newest ``limit`` events ``query`` chooses (the console's first page)."""
+        where, params = query.where()
+        return self._all(pg_sql.SQL(SQL.events_page).format(where=where), {**params, "limit": limit})
 
     def show(self, event_id: str) -> dict[str, Any] | None:
         """The event's row, deliveries, attempts, audit, and the snapshot events a thin notification was
@@ -74,10 +56,12 @@ class OperatorLedger:
                 "attempts": self._all(SQL.event_attempts, params), "audit": self._all(SQL.event_audit, params),
                 "snapshot_twins": [row["snapshot_event_id"] for row in self._all(SQL.event_snapshot_twins, params)]}
 
-    def ids_for_replay(self, where: EventFilter, *, page: int = 500) -> Iterator[str]:
+    def ids_for_replay(self, query: EventQuery, *, page: int = 500) -> Iterator[str]:
+        where, params = query.where()
+        statement = pg_sql.SQL(SQL.events_ids_after).format(where=where)
         after = ""
         while True:
-            rows = self._all(SQL.events_select_for_replay, {**where.params(), "after": after, "limit": page})
+            rows = self._all(statement, {**params, "after": after, "limit": page})
             for row in rows:
                 yield row["id"]
             if len(rows) < page:

@@ -1,25 +1,6 @@
--- The operator console (ledger/console.py): the event list and its counts, the overview,
--- failure groups, replay jobs and reconcile reports. The list's filters are fixed fragments
--- (ledger/console.py, _PREDICATES) joined under {where}: a filter left empty adds nothing,
--- so every combination gets a plan that uses the indexes of migration 0008.
-
--- name: console_events_page
--- One page, newest first, after the keyset (received_at, id) of the last row shown: a row
--- arriving meanwhile sorts before the page, so paging on never shows a row twice or skips one.
-SELECT e.id, e.type, e.status, e.attempts, e.failure_reason, e.account, e.livemode, e.received_at,
-       e.processed_at
-  FROM ledger.events e
- WHERE {where}
- ORDER BY e.received_at DESC, e.id DESC
- LIMIT %(limit)s
-
--- name: console_events_count_capped
--- How many events match, counted up to the cap: past it the console says "cap+". In the list's
--- order, so the count walks the same index from the newest row: a bare LIMIT lets the planner
--- pick a sequential scan, which starts wherever the last one stopped (synchronized scans) and
--- may read most of the table before the range's rows.
-SELECT count(*) AS events
-  FROM (SELECT 1 FROM ledger.events e WHERE {where} ORDER BY e.received_at DESC, e.id DESC LIMIT %(cap)s) matched
+-- The operator console (ledger/console.py): the overview, failure groups, replay jobs and
+-- reconcile reports. Its event list and counts are operations.sql's (events_page,
+-- events_count_capped), shared with ledgerctl.
 
 -- name: console_status_counts
 -- Exact counts of every status but processed, each read from a partial index. Processed is

@@ -17,15 +17,27 @@ SELECT count(*)                                                                 
   FROM ledger.events
  WHERE status IN ('received', 'processing', 'failed_recoverable')
 
--- name: events_list
-SELECT id, type, status, attempts, failure_reason, stripe_created, received_at, processed_at
-  FROM ledger.events
- WHERE (%(status)s::text IS NULL OR status = %(status)s)
-   AND (%(type_like)s::text IS NULL OR type LIKE %(type_like)s)
-   AND (%(since)s::timestamptz IS NULL OR received_at >= %(since)s)
-   AND (%(until)s::timestamptz IS NULL OR received_at < %(until)s)
- ORDER BY received_at DESC, id
+-- The event lists (ledgerctl events list, the console) choose events by
+-- ledger.event_query.EventQuery: its fixed fragments, joined under {where}, a field left
+-- empty adding none, so every combination gets a plan over the indexes of migration 0008.
+
+-- name: events_page
+-- One page, newest first, after the keyset (received_at, id) of the last row shown: a row
+-- arriving meanwhile sorts before the page, so paging on never shows a row twice or skips one.
+SELECT e.id, e.type, e.status, e.attempts, e.failure_reason, e.account, e.livemode, e.stripe_created,
+       e.received_at, e.processed_at
+  FROM ledger.events e
+ WHERE {where}
+ ORDER BY e.received_at DESC, e.id DESC
  LIMIT %(limit)s
+
+-- name: events_count_capped
+-- How many events match, counted up to the cap: past it the console says "cap+". In the list's
+-- order, so the count walks the same index from the newest row: a bare LIMIT lets the planner
+-- pick a sequential scan, which starts wherever the last one stopped (synchronized scans) and
+-- may read most of the table before the range's rows.
+SELECT count(*) AS events
+  FROM (SELECT 1 FROM ledger.events e WHERE {where} ORDER BY e.received_at DESC, e.id DESC LIMIT %(cap)s) matched
 
 -- name: event_attempts
 SELECT attempt, worker, started_at, finished_at, outcome, error_class, error
@@ -48,17 +60,13 @@ SELECT count(*) AS deliveries, min(delivered_at) AS first_delivered_at, max(deli
 -- The snapshot events a thin notification was applied under: its business rows carry their ids.
 SELECT snapshot_event_id FROM ledger.snapshot_twins WHERE event_id = %(id)s ORDER BY snapshot_event_id
 
--- name: events_select_for_replay
--- Bulk replay, keyset-paginated by id so a long run neither skips nor repeats rows.
-SELECT id
-  FROM ledger.events
- WHERE status = %(status)s
-   AND (%(type_like)s::text IS NULL OR type LIKE %(type_like)s)
-   AND (%(since)s::timestamptz IS NULL OR received_at >= %(since)s)
-   AND (%(until)s::timestamptz IS NULL OR received_at < %(until)s)
-   AND (%(reason)s::text IS NULL OR failure_reason = %(reason)s)
-   AND id > %(after)s
- ORDER BY id
+-- name: events_ids_after
+-- Bulk replay (ledgerctl), keyset-paginated by id so a long run neither skips nor repeats rows.
+SELECT e.id
+  FROM ledger.events e
+ WHERE {where}
+   AND e.id > %(after)s
+ ORDER BY e.id
  LIMIT %(limit)s
 
 -- name: event_replay_if_finished_or_failed

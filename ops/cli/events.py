@@ -68,9 +68,10 @@ def events():
 @click.pass_obj
 def events_list(obj: _Context, status, type_glob, since, until, limit, as_json):
     """List events, newest first."""
-    from ledger.operator import EventFilter
+    from ledger.event_query import EventQuery
 
-    rows = obj.operator.list_events(EventFilter(status, type_glob, _when(since), _when(until)), limit)
+    rows = obj.operator.list_events(EventQuery(status=status, type_glob=type_glob, since=_when(since),
+                                               until=_when(until)), limit)
     if as_json:
         _echo_json(rows)
     else:
@@ -130,7 +131,7 @@ def replay(obj: _Context, event_ids, bulk_status, type_glob, since, until, reaso
     (ledgerctl replay --status failed_permanent --reason unsupported_type).
     Events being processed or already waiting are left alone.
     """
-    from ledger.operator import EventFilter
+    from ledger.event_query import EventQuery
 
     if bool(event_ids) == bool(bulk_status):
         raise click.UsageError("name event ids, or select them with --status (not both)")
@@ -138,8 +139,8 @@ def replay(obj: _Context, event_ids, bulk_status, type_glob, since, until, reaso
         raise click.UsageError("replaying processed events needs --force")
     bulk = bool(bulk_status)
     if bulk:
-        ids = list(obj.operator.ids_for_replay(EventFilter(bulk_status, type_glob, _when(since), _when(until),
-                                                           reason)))
+        ids = list(obj.operator.ids_for_replay(EventQuery(status=bulk_status, type_glob=type_glob,
+                                                          since=_when(since), until=_when(until), reason=reason)))
     else:
         ids = list(dict.fromkeys(event_ids))
 

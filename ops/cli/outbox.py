@@ -23,7 +23,7 @@ def outbox():
 @click.pass_obj
 def outbox_list(obj: _Context, status, effect_glob, limit, as_json):
     """List recorded effects, newest first."""
-    from ledger.operator import glob_to_like
+    from ledger.event_query import glob_to_like
 
     rows = obj.outbox.list(status=status, effect_like=glob_to_like(effect_glob), limit=limit)
     if as_json:
@@ -61,7 +61,7 @@ def outbox_show(obj: _Context, outbox_id: int, as_json: bool):
 @click.pass_obj
 def outbox_replay(obj: _Context, outbox_ids, bulk_status, effect_glob, force, dry_run, yes, as_json):
     """Move effects back to pending and wake a dispatcher for each."""
-    from ledger.operator import glob_to_like
+    from ledger.event_query import glob_to_like
 
     if bool(outbox_ids) == bool(bulk_status):
         raise click.UsageError("name effect ids, or select them with --status (not both)")

@@ -19,7 +19,8 @@ from wtforms import BooleanField, HiddenField, IntegerField, PasswordField, Sele
 from wtforms.validators import DataRequired, Length, NumberRange, Optional
 
 from ledger.config import Settings
-from ledger.console import DEFAULT_RANGE, MAX_PAGE, MAX_REPLAY, SOURCES, ConsoleLedger, EventQuery, FilterError
+from ledger.console import MAX_PAGE, MAX_REPLAY, ConsoleLedger
+from ledger.event_query import DEFAULT_RANGE, SOURCES, EventQuery, FilterError
 from ledger.db import ProcessPool
 from ledger.errors import LedgerError
 from ledger.http import read_body

@@ -12,11 +12,12 @@ from datetime import datetime, timedelta, timezone
 
 import click
 
-from ledger.operator import glob_to_like
+from ledger.event_query import glob_to_like
 from tests.support.operator import STATS_KEYS, ledger_rows
 from tests.support.receiver import WakeupQueue
 
-LIST_KEYS = {"id", "type", "status", "attempts", "failure_reason", "stripe_created", "received_at", "processed_at"}
+LIST_KEYS = {"id", "type", "status", "attempts", "failure_reason", "account", "livemode", "stripe_created", "received_at",
+             "processed_at"}
 
 
 def listed(ledgerctl_cli, *args: str) -> list[dict]:

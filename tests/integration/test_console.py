@@ -12,7 +12,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from devkit.factories import event
-from ledger.console import ConsoleLedger, EventQuery, FilterError
+from ledger.console import ConsoleLedger
+from ledger.event_query import EventQuery, FilterError
 from ops.console.app import create_app
 from ops.console.auth import LoginThrottle, hash_password
 from ops.console.replays import ReplayRunner

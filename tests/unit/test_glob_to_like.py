@@ -1,4 +1,4 @@
-"""ledger.operator.glob_to_like: the type globs operators pass to ledgerctl, as LIKE patterns.
+"""ledger.event_query.glob_to_like: the type globs operators pass to ledgerctl, as LIKE patterns.
 
 How Postgres then matches them is tested in tests/integration/test_cli_ledgerctl.py.
 """
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ledger.operator import glob_to_like
+from ledger.event_query import glob_to_like
 
 
 @pytest.mark.parametrize("pattern, like", [
