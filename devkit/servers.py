@@ -298,10 +298,15 @@ class PrivateRabbit:
         self.ctl("set_vm_memory_high_watermark", "0.4")
 
     def destroy(self) -> None:
-        if self._process is not None and self._process.poll() is None:
+        """Stop the node, whatever became of the wrapper that started it (a test that failed half-way
+        may have killed it and left the VM running), and remove its directory."""
+        if self._process is not None:
             self.ctl("stop", check=False)
-            try:
-                self._process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
+            if answers(self.port):
                 self.kill()
+            if self._process.poll() is None:
+                try:
+                    self._process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    self.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
