@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import socket
 import subprocess
+import threading
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -98,10 +100,6 @@ class Relay:
     hosts reach it at the bridge's address, their packets still crossing the bridge."""
 
     def __init__(self, listen: tuple[str, int], target: tuple[str, int]):
-        import socket
-        import threading
-
-        self._socket, self._threading = socket, threading
         self.target = target
         self._server = socket.create_server(listen)
         self.address = self._server.getsockname()
@@ -116,14 +114,14 @@ class Relay:
             except OSError:
                 return
             try:
-                upstream = self._socket.create_connection(self.target, timeout=10)
+                upstream = socket.create_connection(self.target, timeout=10)
             except OSError:
                 client.close()
                 continue
             upstream.settimeout(None)
             self._open += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
-                self._threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
     @staticmethod
     def _pump(source, sink) -> None:

@@ -11,6 +11,7 @@ import os
 import pwd
 import secrets
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -275,8 +276,6 @@ class PrivateRabbit:
 
     def kill(self) -> None:
         """SIGKILL the node's whole process group: a crash."""
-        import signal
-
         # The Erlang VM runs as the rabbitmq user, outside the wrapper's group: its pid file names it.
         try:
             os.kill(int((self.dir / "pid").read_text().split()[0]), signal.SIGKILL)

@@ -12,7 +12,7 @@ next batch.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -50,7 +50,6 @@ class Overview:
     outbox: dict[str, Any] | None = None
     queue_depth: int | None = None
     exact_up_to: int = EXACT_PROCESSED_UP_TO
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class ConsoleLedger:

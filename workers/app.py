@@ -73,7 +73,6 @@ class SharedClientRedisTransport(kombu.transport.redis.Transport):
 AMQP_SCHEMES = ("amqp", "amqps", "pyamqp")
 
 
-
 def is_amqp(broker_url: str) -> bool:
     return urlparse(broker_url).scheme in AMQP_SCHEMES
 

@@ -71,9 +71,8 @@ def sweep_process(settings: Settings, *, operator=None, outbox: OutboxLedger | N
     runtime = Runtime(settings, make_celery(settings))
     if operator is not None and settings.metrics_port:
         from ledger.reconcile_runs import ReconcileRuns
-        from workers.metrics import serve
-
         from workers.app import effects_queue
+        from workers.metrics import serve
         from workers.sweep import queue_depth
 
         queues = (settings.queue_name, effects_queue(settings.queue_name))
