@@ -149,6 +149,21 @@ SABOTAGES = (
           "  FROM (SELECT hashtextextended('ledger.object:' || key, 0) AS lock_id\n"
           "          FROM unnest(%(keys)s::text[]) AS key) AS ordered"),),
         ("tests/integration/test_worker_locks.py",)),
+    Sabotage(
+        "replay-job-per-preview-unguarded",
+        "a confirmed preview may start a second job: replay_job_create (ledger/sql/console.sql) loses its "
+        "ON CONFLICT and migration 0009's preview_id index is no longer unique",
+        (("ledger/sql/console.sql", "    ON CONFLICT (preview_id) DO NOTHING\n", ""),
+         ("ledger/migrations/0009_console_guards.sql",
+          "CREATE UNIQUE INDEX IF NOT EXISTS replay_jobs_preview_id_key",
+          "CREATE INDEX IF NOT EXISTS replay_jobs_preview_id_key")),
+        ("tests/integration/test_console.py",)),
+    Sabotage(
+        "nul-reaches-postgres",
+        "a NUL character in a console value, a filter or a ledgerctl argument is let through "
+        "(ledger.inputs.usable): the database driver refuses it, and the page answers 500",
+        (("ledger/inputs.py", '    if "\\x00" in value:\n', "    if False:\n"),),
+        ("tests/integration/test_console_hostile_input.py",)),
 )
 
 

@@ -12,6 +12,7 @@ next batch.
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -35,6 +36,13 @@ EXACT_PROCESSED_UP_TO = 50_000   # the overview counts processed events exactly 
 class Page:
     rows: list[dict[str, Any]]
     next_after: tuple[datetime, str] | None   # None: the last page
+
+
+@dataclass(frozen=True)
+class JobConfirmed:
+    job_id: int | None     # None: nothing created, the filter matches ``matched`` events now
+    matched: int
+    already: bool = False  # the preview had been confirmed before: job_id is the job it made
 
 
 @dataclass
@@ -107,6 +115,19 @@ class ConsoleLedger:
                 "thin_notifications": [r["event_id"] for r in self._all(SQL.console_event_thin_of, params)],
                 "outbox": self._all(SQL.console_event_outbox, params)}
 
+    # -- failed logins (ops/console/auth.py's throttle) -----------------------------------------------
+    def login_failures(self, keys: list[str], *, window_s: float) -> dict[str, tuple[int, float]]:
+        """Each key's failed logins within ``window_s`` and the seconds since its last one (keys with
+        none are left out)."""
+        rows = self._all(SQL.login_failures_recent, {"keys": keys, "window_s": window_s})
+        return {row["key"]: (row["failures"], row["since_last_s"]) for row in rows}
+
+    def record_login_failure(self, keys: list[str], *, window_s: float) -> None:
+        self._all(SQL.login_failure_record, {"keys": keys, "window_s": window_s})
+
+    def forget_login_failures(self, key: str) -> None:
+        self._all(SQL.login_failures_forget, {"key": key})
+
     # -- replay jobs -----------------------------------------------------------------------------
     def replay_preview(self, query: EventQuery) -> int:
         """How many events a replay of ``query`` would replay now (at most MAX_REPLAY + 1)."""
@@ -114,9 +135,9 @@ class ConsoleLedger:
         return n + 1 if more else n
 
     def create_replay_job(self, query: EventQuery, *, expected: int, actor: str, reason: str | None,
-                          force: bool) -> tuple[int | None, int]:
-        """The job's id and its count; no id (and nothing created) when the filter matches another count
-        than ``expected`` now."""
+                          force: bool, preview_id: uuid.UUID) -> JobConfirmed:
+        """Create the job a confirmed preview asked for, once: nothing when the filter matches another
+        count than ``expected`` now, and the job already made when this preview was confirmed before."""
         if expected > MAX_REPLAY:
             raise FilterError(f"a replay covers at most {MAX_REPLAY} events: narrow the filter")
         where, params = query.where()
@@ -125,12 +146,15 @@ class ConsoleLedger:
             with self._pool.get().connection() as conn, conn.transaction():
                 job_id, total = conn.execute(statement, {
                     **params, "actor": actor, "job_reason": reason, "force": force, "expected": expected,
-                    "filter": json.dumps(query.as_json())}).fetchone()
+                    "filter": json.dumps(query.as_json()), "preview_id": preview_id}).fetchone()
+                if job_id is None:
+                    job_id, total = conn.execute(SQL.replay_job_of_preview, {"preview_id": preview_id}).fetchone()
+                    return JobConfirmed(job_id, total, already=True)
                 if total != expected:
                     raise _SetChanged(total)  # rolls the job back
         except _SetChanged as changed:
-            return None, changed.args[0]
-        return job_id, total
+            return JobConfirmed(None, changed.args[0])
+        return JobConfirmed(job_id, total)
 
     def claim_replay_job(self, *, runner: str, lease_s: float) -> dict[str, Any] | None:
         rows = self._all(SQL.replay_job_claim, {"runner": runner, "lease_s": lease_s})

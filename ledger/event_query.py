@@ -13,6 +13,7 @@ from typing import Any
 
 from psycopg import sql as pg_sql
 
+from ledger import inputs
 from ledger.states import EventStatus
 from ledger.stripe_events import V1_PREFIX, V2_PREFIX
 
@@ -56,8 +57,13 @@ _SOURCE_PREDICATES = {
 }
 
 
-class FilterError(ValueError):
-    """A filter the console refuses (a range too wide, a source it does not know): the message says why."""
+class FilterError(inputs.InputError):
+    """A filter refused (a value no event can have, a range too wide): the message says why."""
+
+
+# Each text field, by the name the console's URL and ledgerctl's options give it.
+_TEXT_FIELDS = {"type_glob": "type", "reason": "reason", "account": "account", "event_id": "id"}
+_STATUSES = frozenset(s.value for s in EventStatus)
 
 
 @dataclass(frozen=True)
@@ -72,14 +78,29 @@ class EventQuery:
     since: datetime | None = None
     until: datetime | None = None
 
+    def __post_init__(self):
+        """Every field is one the ledger can be asked about (ledger.inputs), however the query was made:
+        a console URL, ledgerctl's options, a replay job's stored filter. Times become UTC."""
+        try:
+            for name, label in _TEXT_FIELDS.items():
+                if getattr(self, name) is not None:
+                    inputs.text(label, getattr(self, name))
+            for name in ("since", "until"):
+                if getattr(self, name) is not None:
+                    object.__setattr__(self, name, inputs.time(name, getattr(self, name)))
+        except inputs.InputError as exc:
+            raise FilterError(str(exc)) from None
+        if self.status is not None and (not isinstance(self.status, str) or self.status not in _STATUSES):
+            raise FilterError(f"unknown status {str(self.status)[:40]!r}: one of {', '.join(sorted(_STATUSES))}")
+        if self.source is not None and (not isinstance(self.source, str) or self.source not in SOURCES):
+            raise FilterError(f"unknown source {str(self.source)[:40]!r}: one of {', '.join(SOURCES)}")
+        if self.livemode is not None and not isinstance(self.livemode, bool):
+            raise FilterError("livemode is true or false")
+
     def checked(self, now: datetime | None = None) -> "EventQuery":
         """This query with its time range made explicit and bounded: by default the last seven days, at
         most 31 days. An exact id needs no range."""
         now = now or datetime.now(timezone.utc)
-        if self.status is not None and self.status not in {s.value for s in EventStatus}:
-            raise FilterError(f"unknown status {self.status!r}")
-        if self.source is not None and self.source not in SOURCES:
-            raise FilterError(f"unknown source {self.source!r}: one of {', '.join(SOURCES)}")
         if self.event_id is not None:
             return self
         until = self.until or now
@@ -95,12 +116,14 @@ class EventQuery:
                 if v is not None}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "EventQuery":
-        values = dict(data)
-        for key in ("since", "until"):
-            if values.get(key):
-                values[key] = datetime.fromisoformat(values[key])
-        return cls(**values)
+    def from_json(cls, data: Any) -> "EventQuery":
+        """The query ``as_json`` gave; FilterError for anything else."""
+        if not isinstance(data, dict):
+            raise FilterError("a filter is a JSON object")
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise FilterError(f"unknown filter field(s): {', '.join(sorted(str(k)[:40] for k in unknown))}")
+        return cls(**data)
 
     def where(self, after: tuple[datetime, str] | None = None) -> tuple[pg_sql.Composable, dict[str, Any]]:
         params: dict[str, Any] = {

@@ -75,10 +75,12 @@ SELECT id, effect, status, attempts, failure_reason, created_at, sent_at
 -- (job_reason: the operator's why; reason, the filter's failure reason, belongs to {where}.)
 -- Operator (console): a bulk replay of the events its filter matches now, fixed here. Nothing
 -- is created unless the count is the one the operator previewed and confirmed (then the set
--- changed in between: preview again).
+-- changed in between: preview again), nor when this preview made a job already (id NULL: a
+-- concurrent confirm waits on the unique preview_id until the first commits, then does nothing).
 WITH job AS (
-    INSERT INTO ledger.replay_jobs (actor, reason, filter, force, total)
-    VALUES (%(actor)s, %(job_reason)s, %(filter)s, %(force)s, %(expected)s)
+    INSERT INTO ledger.replay_jobs (actor, reason, filter, force, total, preview_id)
+    VALUES (%(actor)s, %(job_reason)s, %(filter)s, %(force)s, %(expected)s, %(preview_id)s)
+    ON CONFLICT (preview_id) DO NOTHING
     RETURNING id
 ), chosen AS (
     INSERT INTO ledger.replay_job_events (job_id, event_id)
@@ -86,6 +88,10 @@ WITH job AS (
     RETURNING event_id
 )
 SELECT (SELECT id FROM job) AS id, (SELECT count(*) FROM chosen) AS total
+
+-- name: replay_job_of_preview
+-- The job a confirmed preview made (replay_job_create found its preview_id taken).
+SELECT id, total FROM ledger.replay_jobs WHERE preview_id = %(preview_id)s
 
 -- name: replay_job_claim
 -- Console process: take a running job whose runner's lease expired (or that has none), for
@@ -172,3 +178,22 @@ SELECT DISTINCT ON (t.type) t.type, r.ran_at,
 -- name: console_event_payload
 -- The payload as recorded (NULL once retention pruned it).
 SELECT payload FROM ledger.events WHERE id = %(id)s
+
+-- name: login_failures_recent
+-- Console login: each key's failed logins within the throttle's window, and how long ago the
+-- last one was (ops/console/auth.py turns them into a wait).
+SELECT key, count(*) AS failures, extract(epoch FROM now() - max(failed_at))::float8 AS since_last_s
+  FROM ledger.login_failures
+ WHERE key = ANY(%(keys)s) AND failed_at > now() - make_interval(secs => %(window_s)s)
+ GROUP BY key
+
+-- name: login_failure_record
+-- Console login: one failure for each key; failures past the window are forgotten here.
+WITH forgotten AS (
+    DELETE FROM ledger.login_failures WHERE failed_at <= now() - make_interval(secs => %(window_s)s)
+)
+INSERT INTO ledger.login_failures (key) SELECT unnest(%(keys)s::text[])
+
+-- name: login_failures_forget
+-- Console login: a name that logged in starts over (its address keeps its count).
+DELETE FROM ledger.login_failures WHERE key = %(key)s

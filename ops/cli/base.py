@@ -11,6 +11,7 @@ from typing import Any, Iterable
 
 import click
 
+from ledger import inputs
 from ledger.config import Settings
 from ledger.states import EventStatus, OutboxStatus
 
@@ -73,12 +74,14 @@ def _when(value: str | None) -> datetime | None:
     if value is None:
         return None
     if _DURATION.match(value.strip()):
-        return datetime.now(timezone.utc) - timedelta(seconds=_duration_s(value))
+        try:
+            return datetime.now(timezone.utc) - timedelta(seconds=_duration_s(value))
+        except OverflowError:
+            raise click.BadParameter(f"{value!r} reaches back before any time there is") from None
     try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is neither an ISO time nor a duration like 24h") from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+        return inputs.time(repr(value[:64]), value)
+    except inputs.InputError as exc:
+        raise click.BadParameter(f"{exc}, or a duration like 24h") from None
 
 
 def _plain(value: Any) -> Any:
@@ -122,7 +125,31 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON i
 status_choice = click.Choice(_values(*EventStatus))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _BadInput(click.ClickException):
+    exit_code = 2
+
+
+class _LedgerctlGroup(click.Group):
+    """The root group: every argument is text the ledger can hold (argv cannot carry a NUL, but bytes
+    that are not UTF-8 arrive as lone surrogates), and a value a command's filter refuses
+    (ledger.inputs.InputError) is a usage error, exit 2 with its message, before anything changed."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        for position, arg in enumerate(args, start=1):
+            try:
+                inputs.usable(f"argument {position}", arg)
+            except inputs.InputError as exc:
+                raise _BadInput(str(exc)) from None
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except inputs.InputError as exc:
+            raise _BadInput(str(exc)) from None
+
+
+@click.group(cls=_LedgerctlGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.pass_context
 def cli(ctx: click.Context):
     """Operate the Stripe event ledger (configuration comes from the environment)."""

@@ -8,8 +8,8 @@ import click
 
 from ops.cli.base import cli
 
-# One process, threads for concurrency: the login throttle's counts then cover every request, and a
-# console has a handful of users.
+# One process, threads for concurrency: a console has a handful of users. (More processes, on any host,
+# share the login throttle's counts and the replay jobs, which live in Postgres.)
 THREADS = 8
 
 

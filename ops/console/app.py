@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import uuid
 from datetime import datetime, timedelta, timezone
 
 from flask import Blueprint, Flask, abort, current_app, flash, g, redirect, render_template, request, session, url_for
@@ -18,18 +19,21 @@ from werkzeug.exceptions import HTTPException
 from wtforms import BooleanField, HiddenField, IntegerField, PasswordField, SelectField, StringField
 from wtforms.validators import DataRequired, Length, NumberRange, Optional
 
+from ledger import inputs
 from ledger.config import Settings
 from ledger.console import MAX_PAGE, MAX_REPLAY, ConsoleLedger
 from ledger.event_query import DEFAULT_RANGE, SOURCES, EventQuery, FilterError
 from ledger.db import ProcessPool
 from ledger.errors import LedgerError
 from ledger.http import read_body
+from ledger.inputs import InputError
 from ledger.operator import OperatorLedger
 from ledger.outbox import OutboxLedger
 from ledger.reconcile_runs import ReconcileRuns
 from ledger.states import EventStatus, OutboxStatus
 from ops.console import charts
-from ops.console.auth import LoginThrottle, check_password, login_required, requires_operator
+from ops.console.auth import (LoginThrottle, check_password, client_address, current_user, login_required,
+                              requires_operator)
 from ops.console.settings import ConsoleSettings
 from workers.stripe_api import COLLECTIONS
 
@@ -60,6 +64,7 @@ class ReplayOneForm(FlaskForm):
 class ReplayJobForm(FlaskForm):
     filter = HiddenField(validators=[DataRequired(), Length(max=4000)])
     expected = IntegerField(validators=[DataRequired(), NumberRange(min=1, max=MAX_REPLAY)])
+    preview = HiddenField(validators=[DataRequired(), Length(max=64)])
     reason = StringField("Reason", validators=[Optional(), Length(max=500)])
     confirm = BooleanField("I have checked the count", validators=[DataRequired()])
 
@@ -87,17 +92,21 @@ def create_app(settings: Settings | None = None, console: ConsoleSettings | None
         WTF_CSRF_TIME_LIMIT=None, MAX_CONTENT_LENGTH=MAX_FORM_BYTES)
     # Before CSRFProtect's own hook, which parses the form.
     app.before_request(_form_body_read_whole)
+    app.before_request(_refuse_unusable_values)
+    app.before_request(_login_before_any_post)
     csrf.init_app(app)
     pool = ProcessPool(settings, name="console", max_size=8, interactive=True,
                        statement_timeout_ms=STATEMENT_TIMEOUT_MS)
+    console_ledger = ConsoleLedger(pool)
     app.extensions["ledger"] = {
-        "pool": pool, "console": ConsoleLedger(pool), "operator": OperatorLedger(pool),
-        "outbox": OutboxLedger(pool), "reconcile_runs": ReconcileRuns(pool), "throttle": LoginThrottle()}
+        "pool": pool, "console": console_ledger, "operator": OperatorLedger(pool),
+        "outbox": OutboxLedger(pool), "reconcile_runs": ReconcileRuns(pool),
+        "throttle": LoginThrottle(console_ledger, console.secret_key)}
     app.register_blueprint(bp)
     app.after_request(_security_headers)
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(CSRFError, _csrf_error)
-    app.register_error_handler(FilterError, lambda exc: (render_template("error.html", code=400, message=str(exc)), 400))
+    app.register_error_handler(InputError, lambda exc: (render_template("error.html", code=400, message=str(exc)), 400))
     app.jinja_env.filters["when"] = _when
     app.jinja_env.filters["age"] = _age
     app.jinja_env.filters["hhmm"] = lambda value: value.astimezone(timezone.utc).strftime("%H:%M")
@@ -137,6 +146,29 @@ def _form_body_read_whole():
     cut short or stopped sending is a 400 here, never the server's exception turned 500."""
     if request.method == "POST" and read_body(MAX_FORM_BYTES, cache=True) is None:
         abort(400, "the request body could not be read whole: it ended early or its framing is invalid")
+
+
+def _refuse_unusable_values():
+    """Every value a request carries (its path, query and form, names and values) is text the ledger can
+    hold, checked here once for every route: a NUL character is a 400 that names where it was, never
+    the database driver's exception turned 500. (Bytes that are not UTF-8 never get this far: werkzeug
+    replaces them, or keeps them percent-encoded.) Each route then checks its own values' lengths, kinds
+    and ranges."""
+    inputs.usable("the path", request.path)
+    for key, values in request.args.lists():
+        for value in (key, *values):
+            inputs.usable(f"the query's {key[:40]!r}", value)
+    if request.method == "POST":
+        for key, values in request.form.lists():
+            for value in (key, *values):
+                inputs.usable(f"the form's {key[:40]!r}", value)
+
+
+def _login_before_any_post():
+    """A POST without a login is answered 401, whatever its token: before CSRF's check (a 400), so a
+    stranger learns nothing from the form's validity."""
+    if request.method == "POST" and request.endpoint not in (None, "console.login") and current_user() is None:
+        abort(401)
 
 
 def _security_headers(response):
@@ -187,8 +219,8 @@ def login():
     throttle: LoginThrottle = _ledger("throttle")
     if request.method == "POST":
         name = (form.name.data or "")[:200]
-        keys = (f"addr:{request.remote_addr}", f"name:{name}")
-        wait = throttle.wait_s(*keys)
+        address = client_address()
+        wait = throttle.wait_s(name, address)
         if wait > 0:
             response = current_app.make_response((render_template(
                 "login.html", form=form, error=f"too many failed logins: try again in {wait:.0f} s"), 429))
@@ -196,14 +228,14 @@ def login():
             return response
         if form.validate_on_submit() and check_password(current_app.config["CONSOLE"].users, name,
                                                         form.password.data):
-            throttle.succeeded(*keys)
+            throttle.succeeded(name)
             session.clear()
             session["user"] = name
             session.permanent = True
             target = form.next.data or ""
             # Only a path of this console: never an open redirect.
             return redirect(target if target.startswith("/") and not target.startswith("//") else url_for(".overview"))
-        throttle.failed(*keys)
+        throttle.failed(name, address)
         return render_template("login.html", form=form, error="wrong name or password"), 401
     form.next.data = request.args.get("next", "")
     return render_template("login.html", form=form, error=None)
@@ -231,32 +263,17 @@ def overview():
 
 # -- events ----------------------------------------------------------------------------------------
 def _query_from_args(args) -> EventQuery:
-    def text(name: str, limit: int = 255) -> str | None:
-        value = (args.get(name) or "").strip()
-        if len(value) > limit:
-            raise FilterError(f"{name} is at most {limit} characters")
-        return value or None
+    def text(name: str) -> str | None:
+        return (args.get(name) or "").strip() or None
 
     livemode = text("livemode")
     if livemode not in (None, "live", "test"):
         raise FilterError("livemode is live or test")
-    account = args.get("account")
+    account = text("account")
     return EventQuery(status=text("status"), type_glob=text("type"), reason=text("reason"), source=text("source"),
-                      account=None if account is None or account == "" else
-                      ("" if account == "platform" else text("account")),
+                      account="" if account == "platform" else account,
                       livemode=None if livemode is None else livemode == "live", event_id=text("id"),
-                      since=_time_arg(args, "since"), until=_time_arg(args, "until")).checked()
-
-
-def _time_arg(args, name: str) -> datetime | None:
-    value = (args.get(name) or "").strip()
-    if not value:
-        return None
-    try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        raise FilterError(f"{name} is a time like 2026-12-01T10:00 (UTC unless it says otherwise)") from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+                      since=text("since"), until=text("until")).checked()
 
 
 def _after_arg(args) -> tuple[datetime, str] | None:
@@ -264,12 +281,9 @@ def _after_arg(args) -> tuple[datetime, str] | None:
     if not value:
         return None
     at, sep, event_id = value.partition("|")
-    try:
-        if not sep or not event_id:
-            raise ValueError(value)
-        return datetime.fromisoformat(at), event_id
-    except ValueError:
-        raise FilterError("after is the keyset of the last row shown (received_at|id)") from None
+    if not sep or not event_id:
+        raise FilterError("after is the keyset of the last row shown (received_at|id)")
+    return inputs.time("after", at), inputs.text("after", event_id)
 
 
 def _page_size(args) -> int:
@@ -355,7 +369,7 @@ def failures():
 def replay_preview():
     query = _query_from_args(request.args)
     count = _ledger("console").replay_preview(query)
-    form = ReplayJobForm(filter=json.dumps(query.as_json()), expected=count)
+    form = ReplayJobForm(filter=json.dumps(query.as_json()), expected=count, preview=str(uuid.uuid4()))
     return render_template("replay_preview.html", query=query, count=count, form=form, max_replay=MAX_REPLAY,
                            force=query.status == EventStatus.PROCESSED.value)
 
@@ -367,17 +381,20 @@ def replay_create():
     if not form.validate_on_submit():
         abort(400, "confirm the count first")
     try:
+        preview_id = uuid.UUID(form.preview.data)
         query = EventQuery.from_json(json.loads(form.filter.data)).checked()
-    except (ValueError, TypeError) as exc:
-        raise FilterError(f"the filter is not one the console made: {exc}") from None
-    job_id, matched = _ledger("console").create_replay_job(
+    except (ValueError, RecursionError) as exc:
+        raise FilterError(f"the filter is not one the console made: {str(exc)[:200]}") from None
+    confirmed = _ledger("console").create_replay_job(
         query, expected=form.expected.data, actor=_actor(), reason=form.reason.data or None,
-        force=query.status == EventStatus.PROCESSED.value)
-    if job_id is None:
-        flash(f"nothing replayed: the filter matches {matched} event(s) now, not the {form.expected.data} you "
-              "confirmed; check again")
+        force=query.status == EventStatus.PROCESSED.value, preview_id=preview_id)
+    if confirmed.job_id is None:
+        flash(f"nothing replayed: the filter matches {confirmed.matched} event(s) now, not the {form.expected.data} "
+              "you confirmed; check again")
         return redirect(url_for(".replay_preview", **_query_args(query)))
-    return redirect(url_for(".replay_job", job_id=job_id))
+    if confirmed.already:
+        flash("this preview was confirmed already: here is the job it started (preview again for another)")
+    return redirect(url_for(".replay_job", job_id=confirmed.job_id))
 
 
 def _query_args(query: EventQuery) -> dict[str, str]:

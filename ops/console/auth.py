@@ -5,21 +5,29 @@ session cookie then carries the name, and the role is looked up on every request
 LEDGER_CONSOLE_OPERATORS loses it at once). ``requires_operator`` answers 403 to a viewer at the
 endpoint itself, whatever the page showed.
 
-Failed logins are throttled per address and per name: after ``FREE_FAILURES`` within ``WINDOW_S``
-each further try must wait ``FIRST_WAIT_S``, doubling with each failure up to ``MAX_WAIT_S``. The counts live in the process: the
-console runs as one process (threads for concurrency), so they cover every request.
+Failed logins are throttled per name: after ``FREE_FAILURES`` within ``WINDOW_S`` each further try of
+that name waits ``FIRST_WAIT_S``, doubling with each failure up to ``MAX_WAIT_S``. The client's address
+is only a second limit, ``FREE_FAILURES_PER_ADDRESS``, far above what one person's typos reach within
+the window (5 free, then waits of 15, 30, 60, 120, 240 s and 300 s: at most a dozen). So behind a load balancer, where
+every user shares one address, one user's typos never delay another's login, while guessing across
+many names from one address is slowed down. Behind a trusted proxy (LEDGER_CONSOLE_TRUSTED_PROXIES)
+the address is the client's, from X-Forwarded-For. The counts are rows in Postgres
+(ledger.login_failures), shared by every console process.
 """
 from __future__ import annotations
 
 import functools
-import threading
-import time
+import hashlib
+import hmac
 from dataclasses import dataclass
 
 from flask import abort, current_app, g, redirect, request, session, url_for
 from werkzeug.security import check_password_hash, generate_password_hash
 
+from ledger.console import ConsoleLedger
+
 FREE_FAILURES = 5
+FREE_FAILURES_PER_ADDRESS = 30
 FIRST_WAIT_S = 15.0
 WINDOW_S = 900.0
 MAX_WAIT_S = 300.0
@@ -47,36 +55,53 @@ def check_password(users: dict[str, str], name: str, password: str) -> bool:
     return ok and hashed is not None
 
 
+def wait_after(failures: int, since_last_s: float, *, free: int) -> float:
+    """How long a key with ``failures`` failed logins in the window, the last ``since_last_s`` ago, must
+    still wait: nothing for the first ``free``, then FIRST_WAIT_S doubling per failure up to MAX_WAIT_S."""
+    over = failures - free
+    if over < 0:
+        return 0.0
+    return max(0.0, min(MAX_WAIT_S, FIRST_WAIT_S * 2.0 ** min(over, 32)) - since_last_s)
+
+
 class LoginThrottle:
-    def __init__(self, *, clock=time.monotonic):
-        self._clock = clock
-        self._failures: dict[str, list[float]] = {}
-        self._lock = threading.Lock()
+    """Failed logins per name, and per address with a higher limit, counted in the ledger."""
 
-    def wait_s(self, *keys: str) -> float:
-        """How long these keys (an address, a name) must still wait before the next try; 0: may try."""
-        now = self._clock()
-        with self._lock:
-            return max((self._wait(key, now) for key in keys), default=0.0)
+    def __init__(self, ledger: ConsoleLedger, secret_key: str):
+        self._ledger = ledger
+        self._secret = secret_key.encode()
 
-    def failed(self, *keys: str) -> None:
-        now = self._clock()
-        with self._lock:
-            for key in keys:
-                self._failures.setdefault(key, []).append(now)
+    def _key(self, kind: str, value: str) -> str:
+        digest = hmac.new(self._secret, f"{kind}:{value}".encode("utf-8", "surrogatepass"), hashlib.sha256)
+        return f"{kind}:{digest.hexdigest()}"
 
-    def succeeded(self, *keys: str) -> None:
-        with self._lock:
-            for key in keys:
-                self._failures.pop(key, None)
+    def wait_s(self, name: str, address: str) -> float:
+        """How long a login of ``name`` from ``address`` must still wait; 0: it may try now."""
+        name_key, address_key = self._key("name", name), self._key("addr", address)
+        counts = self._ledger.login_failures([name_key, address_key], window_s=WINDOW_S)
+        return max(wait_after(*counts.get(name_key, (0, 0.0)), free=FREE_FAILURES),
+                   wait_after(*counts.get(address_key, (0, 0.0)), free=FREE_FAILURES_PER_ADDRESS))
 
-    def _wait(self, key: str, now: float) -> float:
-        recent = [t for t in self._failures.get(key, ()) if now - t < WINDOW_S]
-        self._failures[key] = recent
-        over = len(recent) - FREE_FAILURES
-        if over < 0:
-            return 0.0
-        return max(0.0, recent[-1] + min(MAX_WAIT_S, FIRST_WAIT_S * 2.0 ** over) - now)
+    def failed(self, name: str, address: str) -> None:
+        self._ledger.record_login_failure([self._key("name", name), self._key("addr", address)], window_s=WINDOW_S)
+
+    def succeeded(self, name: str) -> None:
+        self._ledger.forget_login_failures(self._key("name", name))
+
+
+def client_address() -> str:
+    """The client's address: the peer's, or behind a trusted proxy the nearest address in X-Forwarded-For
+    that is not one of the trusted proxies (each proxy appends the peer it saw; only the trusted ones'
+    entries can be believed)."""
+    trusted = current_app.config["CONSOLE"].trusted_proxies
+    peer = request.remote_addr or ""
+    if peer not in trusted:
+        return peer
+    hops = [hop.strip() for hop in request.headers.get("X-Forwarded-For", "")[:2000].split(",")]
+    for hop in reversed(hops):
+        if hop and hop not in trusted:
+            return hop[:64]
+    return peer
 
 
 def current_user() -> User | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import uuid
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -15,61 +16,14 @@ from devkit.factories import event
 from ledger.console import ConsoleLedger
 from ledger.event_query import EventQuery, FilterError
 from ops.console.app import create_app
-from ops.console.auth import LoginThrottle, hash_password
+from ops.console.auth import (FREE_FAILURES, FREE_FAILURES_PER_ADDRESS, WINDOW_S, LoginThrottle, hash_password,
+                              wait_after)
 from ops.console.replays import ReplayRunner
 from ops.console.settings import ConsoleSettings
+from tests.support.console import (PASSWORD, app, client_for, confirm_form, console_settings,  # noqa: F401
+                                   failed_events, token_of)
 from tests.support.receiver import WakeupQueue  # noqa: F401  (the broker_settings fixture's queue)
 from tests.support.stripe_api import fake_stripe  # noqa: F401
-
-PASSWORD = "correct horse battery staple"
-
-
-@pytest.fixture
-def console_settings():
-    hashed = hash_password(PASSWORD)
-    return ConsoleSettings(users={"olga": hashed, "vera": hashed}, operators=frozenset({"olga"}),
-                           secret_key="s" * 40)
-
-
-@pytest.fixture
-def app(broker_settings, console_settings, kit):
-    app = create_app(broker_settings, console_settings, run_replays=False)
-    app.config["TESTING"] = True
-    yield app
-    app.extensions["ledger"]["pool"].close()
-
-
-def client_for(app, name: str | None):
-    client = app.test_client()
-    if name is not None:
-        page = client.get("/login")
-        token = _token(page.text)
-        answer = client.post("/login", data={"name": name, "password": PASSWORD, "csrf_token": token})
-        assert answer.status_code == 302, answer.text
-    return client
-
-
-def _token(html: str) -> str:
-    return re.search(r'name="csrf_token" type="hidden" value="([^"]+)"|name="csrf_token" value="([^"]+)"',
-                     html).group(1) or ""
-
-
-def token_of(client, path: str) -> str:
-    match = re.search(r'name="csrf_token"[^>]*value="([^"]+)"', client.get(path).text)
-    assert match, f"no CSRF token on {path}"
-    return match.group(1)
-
-
-def failed_events(kit, n: int, *, type_: str = "test.permanent", created: int | None = None) -> list[str]:
-    processor = kit.processor()
-    ids = []
-    for i in range(n):
-        evt = event(type_, {"id": f"obj_{type_}_{i}_{time.monotonic_ns()}"}, created=created or int(time.time()))
-        kit.record(evt)
-        processor.process(evt["id"])
-        ids.append(evt["id"])
-    return ids
-
 
 def test_every_page_sends_a_stranger_to_the_login_page(app):
     client = app.test_client()
@@ -77,7 +31,17 @@ def test_every_page_sends_a_stranger_to_the_login_page(app):
                  "/replay?status=failed_permanent"):
         answer = client.get(path)
         assert answer.status_code == 302 and "/login" in answer.headers["Location"], path
-    assert client.post("/events/evt_x/replay").status_code in (400, 401)
+
+
+
+@pytest.mark.parametrize("path", ["/events/evt_x/replay", "/replay", "/replay/jobs/1/cancel", "/outbox/1/replay",
+                                  "/drift", "/logout"])
+def test_a_post_without_a_login_is_401_whatever_its_token(app, path):
+    stranger = app.test_client()
+    token = token_of(stranger, "/login")    # a valid token of the stranger's own session
+    for data in ({}, {"csrf_token": "forged"}, {"csrf_token": token}):
+        answer = stranger.post(path, data=data)
+        assert answer.status_code == 401 and "log in first" in answer.text, (path, data, answer.status_code)
 
 
 def test_a_viewer_sees_but_every_change_is_refused_403_at_the_endpoint(app, kit):
@@ -133,27 +97,99 @@ def test_bad_filters_get_a_400_with_the_reason_never_a_500(app, query):
     assert 'id="error"' in answer.text
 
 
-def test_a_wrong_password_six_times_is_slowed_down_even_with_the_right_one():
-    clock = [0.0]
-    throttle = LoginThrottle(clock=lambda: clock[0])
+def test_the_wait_grows_per_failure_past_the_free_ones_and_is_capped():
+    assert [wait_after(n, 0.0, free=5) for n in (0, 4, 5, 6, 7, 10, 50)] == [0, 0, 15, 30, 60, 300, 300]
+    assert wait_after(5, 16.0, free=5) == 0 and wait_after(6, 10.0, free=5) == 20
+
+
+def test_one_persons_typos_never_reach_the_address_limit():
+    """The address limit must stay out of reach of one user: retrying each time the wait ends, for two hours,
+    one name never makes FREE_FAILURES_PER_ADDRESS failures within a window."""
+    failures, now = [], 0.0
+    while now < 7200:
+        recent = [t for t in failures if now - t < WINDOW_S]
+        wait = wait_after(len(recent), now - recent[-1] if recent else 0.0, free=FREE_FAILURES)
+        now += wait
+        failures.append(now)
+        assert len([t for t in failures if now - t < WINDOW_S]) < FREE_FAILURES_PER_ADDRESS
+        now += 1.0
+
+
+def test_a_name_is_throttled_from_every_address_and_waits_out(kit, console_settings):
+    throttle = LoginThrottle(ConsoleLedger(kit.pool("console")), console_settings.secret_key)
     for _ in range(5):
-        assert throttle.wait_s("addr:1", "name:olga") == 0
-        throttle.failed("addr:1", "name:olga")
-    assert throttle.wait_s("addr:1", "name:olga") > 0
-    assert throttle.wait_s("addr:2", "name:olga") > 0      # by name, from another address too
-    clock[0] += 16
-    assert throttle.wait_s("addr:1", "name:olga") == 0      # waited out
-    throttle.failed("addr:1", "name:olga")
-    assert throttle.wait_s("addr:1", "name:olga") >= 29     # and each failure waits longer
+        assert throttle.wait_s("olga", "10.0.0.1") == 0
+        throttle.failed("olga", "10.0.0.1")
+    assert throttle.wait_s("olga", "10.0.0.1") > 14
+    assert throttle.wait_s("olga", "10.0.0.2") > 14       # by name, from another address too
+    assert throttle.wait_s("vera", "10.0.0.1") == 0       # another name from the same address: not at all
+    kit.execute("UPDATE ledger.login_failures SET failed_at = failed_at - interval '16 seconds'")
+    assert throttle.wait_s("olga", "10.0.0.1") == 0       # waited out
+    throttle.failed("olga", "10.0.0.1")
+    assert throttle.wait_s("olga", "10.0.0.1") >= 29      # and each failure waits longer
+    throttle.succeeded("olga")
+    assert throttle.wait_s("olga", "10.0.0.1") == 0
+    # Names typed are never stored: only keyed digests.
+    stored = {row["key"] for row in kit.query("SELECT key FROM ledger.login_failures")}
+    assert stored and not any("olga" in key or "10.0.0" in key for key in stored)
+
+
+def test_guessing_across_names_from_one_address_is_slowed_by_the_address_limit(kit, console_settings):
+    throttle = LoginThrottle(ConsoleLedger(kit.pool("console")), console_settings.secret_key)
+    for n in range(FREE_FAILURES_PER_ADDRESS):
+        assert throttle.wait_s(f"guess{n}", "10.6.6.6") == 0
+        throttle.failed(f"guess{n}", "10.6.6.6")
+    assert throttle.wait_s("olga", "10.6.6.6") > 14       # the address now waits, whatever the name
+    assert throttle.wait_s("olga", "10.0.0.1") == 0       # another address does not
+
+
+def login(client, name: str, password: str, **kwargs):
+    return client.post("/login", data={"name": name, "password": password,
+                                       "csrf_token": token_of(client, "/login")}, **kwargs)
 
 
 def test_the_login_answers_429_once_throttled(app):
     client = app.test_client()
     for _ in range(5):
-        assert client.post("/login", data={"name": "olga", "password": "wrong",
-                                           "csrf_token": token_of(client, "/login")}).status_code == 401
-    answer = client.post("/login", data={"name": "olga", "password": PASSWORD, "csrf_token": token_of(client, "/login")})
+        assert login(client, "olga", "wrong").status_code == 401
+    answer = login(client, "olga", PASSWORD)
     assert answer.status_code == 429 and int(answer.headers["Retry-After"]) >= 1
+
+
+def test_one_users_typos_never_delay_another_users_login_from_the_same_address(app):
+    """Behind a load balancer every user comes from one address: olga's typos slow olga down, not vera."""
+    olga, vera = app.test_client(), app.test_client()
+    for _ in range(8):
+        assert login(olga, "olga", "wrong").status_code in (401, 429)
+    assert login(olga, "olga", PASSWORD).status_code == 429
+    assert login(vera, "vera", PASSWORD).status_code == 302
+
+
+def test_behind_a_trusted_proxy_the_forwarded_client_address_is_the_one_limited(broker_settings, kit, console_settings):
+    import dataclasses
+
+    from ops.console.auth import FREE_FAILURES_PER_ADDRESS as LIMIT
+
+    app = create_app(broker_settings, dataclasses.replace(console_settings, trusted_proxies=frozenset({"10.0.0.9"})),
+                     run_replays=False)
+    try:
+        def from_(client_addr: str, peer: str = "10.0.0.9"):
+            return {"environ_base": {"REMOTE_ADDR": peer},
+                    "headers": {"X-Forwarded-For": f"203.0.113.50, {client_addr}"}}
+
+        guesser, olga = app.test_client(), app.test_client()
+        for n in range(LIMIT):
+            assert login(guesser, f"guess{n}", "x", **from_("198.51.100.7")).status_code == 401
+        assert login(guesser, "olga", PASSWORD, **from_("198.51.100.7")).status_code == 429
+        # Another client through the same proxy is not held up; the first hop (client-supplied) is not believed.
+        assert login(olga, "olga", PASSWORD, **from_("198.51.100.8")).status_code == 302
+        # From a peer that is not a trusted proxy the header is ignored: the peer is the address.
+        stranger = app.test_client()
+        for n in range(LIMIT):
+            login(stranger, f"other{n}", "x", **from_("198.51.100.9", peer="192.0.2.1"))
+        assert login(stranger, "vera", PASSWORD, **from_("198.51.100.10", peer="192.0.2.1")).status_code == 429
+    finally:
+        app.extensions["ledger"]["pool"].close()
 
 
 def test_keyset_pages_are_exact_while_events_arrive(kit):
@@ -197,9 +233,7 @@ def test_a_bulk_replay_replays_the_previewed_set_not_later_arrivals_nor_events_o
                                                     "reason": "rejected_by_handler"})
     assert re.search(r'id="preview-count">6<', preview.text)
     form = {"csrf_token": token_of(operator, "/replay?status=failed_permanent&type=test.permanent"),
-            "filter": re.search(r'name="filter" type="hidden" value="([^"]+)"', preview.text).group(1)
-            .replace("&#34;", '"'),
-            "expected": "6", "confirm": "y", "reason": "bug 42 fixed"}
+            **confirm_form(preview.text), "expected": "6", "confirm": "y", "reason": "bug 42 fixed"}
     # Between preview and confirmation one of them leaves the filter (replayed by someone else): the set
     # the operator confirmed is not the set now, so nothing is created.
     assert app.extensions["ledger"]["operator"].replay(failed[0], actor="someone", reason=None, force=False)
@@ -229,8 +263,10 @@ def test_a_cancelled_replay_stops_before_its_next_batch(app, kit):
     failed = failed_events(kit, 9)
     console: ConsoleLedger = app.extensions["ledger"]["console"]
     query = EventQuery(status="failed_permanent").checked()
-    job_id, total = console.create_replay_job(query, expected=9, actor="console:olga", reason=None, force=False)
-    assert total == 9
+    confirmed = console.create_replay_job(query, expected=9, actor="console:olga", reason=None, force=False,
+                                          preview_id=uuid.uuid4())
+    job_id = confirmed.job_id
+    assert confirmed.matched == 9 and not confirmed.already
     runner = ReplayRunner(console, lambda _: None, rate_per_s=4)
     assert runner.run_once()
     assert console.cancel_replay_job(job_id, actor="console:olga")
@@ -241,6 +277,34 @@ def test_a_cancelled_replay_stops_before_its_next_batch(app, kit):
     received = kit.query("SELECT count(*) AS n FROM ledger.events WHERE id = ANY(%s) AND status = 'received'",
                          (failed,))
     assert received == [{"n": 4}]
+
+
+def test_two_confirms_of_one_preview_at_once_start_one_job(app, kit):
+    """A double submit, or the same preview confirmed from two tabs, at the same instant: one job, and both
+    confirms land on it. The test holds the jobs table so both confirms are inside their INSERT together."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    failed = failed_events(kit, 3)
+    tabs = [client_for(app, "olga"), client_for(app, "olga")]
+    preview = tabs[0].get("/replay", query_string={"status": "failed_permanent"}).text
+    form = {**confirm_form(preview), "expected": "3", "confirm": "y"}
+    tokens = [token_of(tab, "/events") for tab in tabs]
+    with kit.connect() as holder, ThreadPoolExecutor(2) as threads:
+        holder.execute("BEGIN")
+        holder.execute("LOCK TABLE ledger.replay_jobs IN SHARE MODE")
+        answers = [threads.submit(tab.post, "/replay", data={**form, "csrf_token": token})
+                   for tab, token in zip(tabs, tokens)]
+        deadline = time.monotonic() + 10
+        while kit.query("SELECT count(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                        "AND query LIKE '%%INSERT INTO ledger.replay_jobs%%'")[0]["n"] < 2:
+            assert time.monotonic() < deadline, "the two confirms never met at the INSERT"
+            time.sleep(0.02)
+        holder.execute("ROLLBACK")
+        locations = {answer.result().headers.get("Location") for answer in answers}
+    jobs = kit.query("SELECT id FROM ledger.replay_jobs")
+    assert len(jobs) == 1, jobs
+    assert locations == {f"/replay/jobs/{jobs[0]['id']}"}
+    assert kit.query("SELECT count(*) AS n FROM ledger.replay_job_events") == [{"n": len(failed)}]
 
 
 def test_the_overview_failures_outbox_health_and_drift_pages_render(app, kit, prepared_ledger):
@@ -301,11 +365,14 @@ def test_as_json_round_trips_a_query():
     ("/drift", {"object_type": "customers", "fix": "y"}),
     ("/events/evt_x/replay", {"reason": "x" * 5000}),
     ("/outbox/1/replay", {"extra": "\x00"}),
+    ("/replay", {"filter": '{"status": "failed_permanent"}', "expected": "1", "confirm": "y", "preview": "nope"}),
+    ("/replay", {"filter": "[" * 3000 + "]" * 3000, "expected": "1", "confirm": "y"}),
     ("/replay/jobs/1/cancel", {}),
 ])
 def test_bad_form_input_gets_a_4xx_and_changes_nothing(app, kit, path, form):
     operator = client_for(app, "olga")
-    answer = operator.post(path, data={**form, "csrf_token": token_of(operator, "/events")})
+    preview = {"preview": str(uuid.uuid4())} if path == "/replay" else {}
+    answer = operator.post(path, data={**preview, **form, "csrf_token": token_of(operator, "/events")})
     assert 400 <= answer.status_code < 500 or answer.status_code == 302, answer.text[:300]
     # A cancel of no job, a replay of no effect: back to the page, saying so.
     assert answer.status_code != 302 or path.endswith(("/cancel", "/outbox/1/replay"))
