@@ -1,7 +1,8 @@
 """Handlers the chaos run (devkit/chaos.py) loads into its workers: ``LEDGER_HANDLER_MODULES=devkit.chaos_handlers``.
 
 * ``chaos.effect``: insert one row into ``public.chaos_effects`` (no unique
-  constraint: an event applied twice shows up as two rows).
+  constraint: an event applied twice shows up as two rows); with ``sleep_s`` in its
+  object, then sleep that long, its transaction open (a slow handler).
 * every type (``*``, registered after the built-in billing handlers, so it runs
   after their writes in the same transaction): with probability
   ``CHAOS_FAULT_RATE`` (environment, default 0), decided by a hash of the event id
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 
 from devkit.sql import SQL
 from workers.failures import TransientError
@@ -39,6 +41,8 @@ def fault_for(event_id: str, attempt: int, rate: float) -> str | None:
 @handler("chaos.effect")
 def chaos_effect(ctx: ApplyContext) -> None:
     ctx.conn.execute(SQL.chaos_effect_record, {"event_id": ctx.event_id})
+    if ctx.object.get("sleep_s"):
+        time.sleep(float(ctx.object["sleep_s"]))
 
 
 @handler("*")

@@ -12,9 +12,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import socket
 import subprocess
-import threading
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -92,56 +90,3 @@ class Network:
 
     def __exit__(self, *exc) -> None:
         self.destroy()
-
-
-class Relay:
-    """A TCP relay on the database-and-broker host: connections to ``listen`` are carried to ``target``.
-    For a server of the machine that listens on loopback only (the machine's RabbitMQ): the other
-    hosts reach it at the bridge's address, their packets still crossing the bridge."""
-
-    def __init__(self, listen: tuple[str, int], target: tuple[str, int]):
-        self.target = target
-        self._server = socket.create_server(listen)
-        self.address = self._server.getsockname()
-        self._open: list = []
-        self._closed = False
-        threading.Thread(target=self._accept, name="relay", daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._server.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(self.target, timeout=10)
-            except OSError:
-                client.close()
-                continue
-            upstream.settimeout(None)
-            self._open += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pump(source, sink) -> None:
-        try:
-            while chunk := source.recv(65536):
-                sink.sendall(chunk)
-        except OSError:
-            pass
-        finally:
-            for end in (source, sink):
-                try:
-                    end.shutdown(2)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self._closed = True
-        self._server.close()
-        for sock in self._open:
-            try:
-                sock.close()
-            except OSError:
-                pass

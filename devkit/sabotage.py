@@ -150,6 +150,30 @@ SABOTAGES = (
           "          FROM unnest(%(keys)s::text[]) AS key) AS ordered"),),
         ("tests/integration/test_worker_locks.py",)),
     Sabotage(
+        "object-locks-held-while-waiting",
+        "a transaction waiting for an object keeps the keys it took however long the wait (ApplyTransaction.lock, "
+        "ledger/attempts.py: its waits unbounded), so a holder that does not let go holds up everyone behind it",
+        (("ledger/attempts.py",
+          "            conn.execute(f\"SET LOCAL lock_timeout = {OBJECT_WAIT_MS}\")\n",
+          "            conn.execute(\"SET LOCAL lock_timeout = 0\")\n"),),
+        ("tests/integration/test_worker_locks.py",)),
+    Sabotage(
+        "batch-held-past-its-bound",
+        "an apply transaction never commits before its last member, however long it has been open "
+        "(BATCH_HOLD_S, workers/processor.py): a handler that runs long holds up the members after it",
+        (("workers/processor.py", "BATCH_HOLD_S = 1.0\n", "BATCH_HOLD_S = float(\"inf\")\n"),),
+        ("tests/integration/test_worker_locks.py",)),
+    Sabotage(
+        "rescue-takes-live-owners",
+        "the rescuer takes every leased event over, its owner alive or not: the liveness probe of "
+        "event_rescue_if_owner_gone (ledger/sql/events.sql) calls every key gone",
+        (("ledger/sql/events.sql",
+          "    SELECT key, NOT pg_try_advisory_xact_lock(key) AS alive FROM owners\n), taken AS (\n    SELECT id\n"
+          "      FROM ledger.events",
+          "    SELECT key, false AS alive FROM owners\n), taken AS (\n    SELECT id\n"
+          "      FROM ledger.events"),),
+        ("tests/integration/test_worker_rescue.py",)),
+    Sabotage(
         "replay-job-per-preview-unguarded",
         "a confirmed preview may start a second job: replay_job_create (ledger/sql/console.sql) loses its "
         "ON CONFLICT and migration 0009's preview_id index is no longer unique",

@@ -8,6 +8,7 @@ the operator's ledger.operator, the outbox's ledger.outbox.
 """
 from __future__ import annotations
 
+import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import psycopg
 
 from ledger.db import ProcessPool
 from ledger.errors import LeaseLost, LedgerError
+from ledger.liveness import Liveness, Probe, probe
 from ledger.queries import SQL
 from ledger.states import EventStatus, OutboxStatus
 from ledger.statements import run_statement
@@ -25,6 +27,11 @@ from ledger.statements import run_statement
 
 # SQLSTATE raised by ledger.lease_not_held (migration 0005) in the apply transaction's fence and finish.
 LEASE_NOT_HELD = "LL001"
+# ApplyTransaction.lock: the longest one wait for an object key holds the earlier keys (then they are let
+# go of, and the set waited for again), and the longest the whole wait goes on (then the members fail,
+# recoverably). A healthy holder commits in well under a second.
+OBJECT_WAIT_MS = 2000
+OBJECT_LOCK_BUDGET_S = 30.0
 
 
 @contextmanager
@@ -69,6 +76,7 @@ class Claim:
     account: str | None
     tries: int          # attempts since the last replay: what the retry budget counts
     rescued: bool = False  # this claim took over from a worker whose lease expired
+    liveness_key: int | None = None  # the claiming process's (ledger/liveness.py); None: its lease alone
 
 
 @dataclass(frozen=True)
@@ -83,26 +91,30 @@ class FailureRecord:
 
 
 class WorkerLedger:
-    """The worker's side of the state machine: claim, apply-and-finish, fail, sweep."""
+    """The worker's side of the state machine: claim, apply-and-finish, fail, sweep, rescue."""
 
-    def __init__(self, pool: ProcessPool):
+    def __init__(self, pool: ProcessPool, *, liveness: Liveness | None = None):
         self._pool = pool
+        # The worker process's proof of life (ledger/liveness.py), stamped on its claims.
+        self._liveness = liveness
 
     def claim(self, event_ids: Sequence[str], *, worker: str, lease_s: int) -> list[Claim]:
         """One compare-and-set for the events of one attempt (one lease owner for all): the claims,
         in the order of ``event_ids``; an id another worker has, that is done, not due, or locked
         right now (see event_claim) has none."""
         lease_owner = uuid.uuid4().hex
-        rows = run_statement(self._pool, SQL.event_claim, {"ids": list(event_ids), "worker": worker,
-                                                                  "lease_owner": lease_owner, "lease_s": lease_s})
+        rows = run_statement(self._pool, SQL.event_claim, {
+            "ids": list(event_ids), "worker": worker, "lease_owner": lease_owner, "lease_s": lease_s,
+            "liveness_key": self._liveness.key() if self._liveness else None})
         claims = {row["id"]: _claim(row, lease_owner) for row in rows}
         return [claims[event_id] for event_id in dict.fromkeys(event_ids) if event_id in claims]
 
     @contextmanager
-    def applying(self) -> Iterator["ApplyTransaction"]:
+    def applying(self, claims: Iterable[Claim] = ()) -> Iterator["ApplyTransaction"]:
         """One transaction for the claims of an attempt (one, or a batch): each applied in a
         savepoint of its own (``ApplyTransaction.member``: fence, the caller's business writes,
-        finish), one COMMIT for all of them when the body returns.
+        finish), one COMMIT for all of them when the body returns. It holds the claims' liveness
+        keys (liveness_hold_for_transaction) until it ends: its worker counts as alive meanwhile.
 
         Pipelined: each statement goes out as it is issued, and the worker waits only where
         a handler reads a result, once per member, and once for COMMIT. An exception out of
@@ -113,6 +125,9 @@ class WorkerLedger:
             try:
                 with conn.pipeline() as pipeline:
                     conn.execute("BEGIN")
+                    keys = sorted({claim.liveness_key for claim in claims} - {None})
+                    if keys:
+                        conn.execute(SQL.liveness_hold_for_transaction, {"keys": keys})
                     yield ApplyTransaction(conn, pipeline)
                     conn.execute("COMMIT")
             except BaseException:
@@ -143,6 +158,20 @@ class WorkerLedger:
         run_statement(self._pool, SQL.attempt_mark_lease_lost,
                       {"id": claim.event_id, "attempt": claim.attempt, "error": detail})
 
+    def end_sessions_of_expired_leases(self) -> list[int]:
+        """End the sessions (a stopped worker's) that still hold the liveness keys of leases that ran out,
+        so the next claims can take their rows; the pids ended."""
+        keys = [row["key"] for row in run_statement(self._pool, SQL.liveness_keys_of_expired_leases)]
+        if not keys:
+            return []
+        return [row["pid"] for row in run_statement(self._pool, SQL.liveness_end_sessions, {"keys": keys})
+                if row["ended"]]
+
+    def rescue_owners_gone(self) -> Probe:
+        """Take over the leases of events whose worker is gone (event_rescue_if_owner_gone): each probed
+        key's liveness, and each event rescued with its key and how long its attempt had run."""
+        return probe(run_statement(self._pool, SQL.event_rescue_if_owner_gone), "event_id")
+
     def take_overdue_wakeups(self, *, overdue_s: float, batch: int) -> list[str]:
         """Mark up to ``batch`` overdue events as re-driven and return their ids."""
         rows = run_statement(self._pool, SQL.event_sweep_overdue_wakeups, {"overdue_s": overdue_s, "batch": batch})
@@ -153,7 +182,7 @@ def _claim(row: dict[str, Any], lease_owner: str) -> Claim:
     return Claim(event_id=row["id"], type=row["type"], attempt=row["attempts"], lease_owner=lease_owner,
                  payload=row["payload"], created=row["stripe_created"], livemode=row["livemode"],
                  api_version=row["api_version"], account=row["account"], tries=row["tries"],
-                 rescued=row["rescued"])
+                 rescued=row["rescued"], liveness_key=row["lease_liveness_key"])
 
 
 class ApplyTransaction:
@@ -186,8 +215,42 @@ class ApplyTransaction:
         return {row[0] for row in rows}
 
     def lock(self, keys: Iterable[str]) -> None:
-        """Every object key, waiting for each in the one global order (object_lock)."""
-        self._conn.execute(SQL.object_lock, {"keys": sorted(set(keys))}).fetchall()
+        """Every object key, in the one global order (object_lock), so no two waiting transactions wait
+        for each other and the keys are granted first come, first served. While it waits for one key it
+        holds the earlier ones; so each wait is bounded (OBJECT_WAIT_MS): past it, the keys it took are
+        let go of (their savepoint rolled back) and it queues for the whole set again. A holder that
+        does not let go (a host gone silent inside its transaction, until Postgres ends its session)
+        thus holds up nobody else for longer than one wait; the events that need its key itself wait
+        up to OBJECT_LOCK_BUDGET_S, then fail recoverably (db_lock_timeout)."""
+        wanted = sorted(set(keys))
+        conn = self._conn
+        deadline = time.monotonic() + OBJECT_LOCK_BUDGET_S
+        while True:
+            conn.execute("SAVEPOINT object_locks")
+            conn.execute(f"SET LOCAL lock_timeout = {OBJECT_WAIT_MS}")
+            try:
+                conn.execute(SQL.object_lock, {"keys": wanted}).fetchall()
+                conn.execute("SET LOCAL lock_timeout TO DEFAULT")
+                conn.execute("RELEASE SAVEPOINT object_locks")
+                self._pipeline.sync()
+                return
+            except psycopg.errors.LockNotAvailable:
+                self._let_go("object_locks")
+                if time.monotonic() > deadline:
+                    raise
+
+    def _let_go(self, savepoint: str) -> None:
+        """After a failed statement in the pipeline: the answers of what was sent read (an error among them
+        is not the one to report: the caller's came first), the savepoint rolled back (what the
+        transaction took since is let go of) and released."""
+        try:
+            self._pipeline.sync()
+        except psycopg.Error:
+            if self._conn.broken:
+                raise
+        self._conn.execute(f"ROLLBACK TO SAVEPOINT {savepoint}")
+        self._conn.execute(f"RELEASE SAVEPOINT {savepoint}")
+        self._pipeline.sync()
 
     @contextmanager
     def member(self, claim: Claim) -> Iterator[psycopg.Connection]:
@@ -213,17 +276,7 @@ class ApplyTransaction:
         self._settings_changed = True
 
     def _roll_back_member(self, exc: BaseException) -> None:
-        conn = self._conn
         try:
-            try:
-                # What the member sent and nobody waited for yet: its answers (an error among
-                # them is not the one to report: ``exc`` came first).
-                self._pipeline.sync()
-            except psycopg.Error:
-                if conn.broken:
-                    raise
-            conn.execute(f"ROLLBACK TO SAVEPOINT {self._SAVEPOINT}")
-            conn.execute(f"RELEASE SAVEPOINT {self._SAVEPOINT}")
-            self._pipeline.sync()
+            self._let_go(self._SAVEPOINT)
         except psycopg.Error as lost:
             raise BatchLost(f"the batch's transaction was lost: {type(lost).__name__}") from lost

@@ -55,6 +55,11 @@ class Settings:
     queue_name: str = "stripe-events"
     # Workers: lease length, retry schedule.
     lease_s: int = 120
+    # Workers: a host silent this long is dead to Postgres, which ends its sessions (ledger/db.py,
+    # session_guards); the sweep's rescuer then takes its leases over (workers/rescue.py), looking
+    # for gone workers every rescue_interval_s.
+    dead_peer_s: float = 10.0
+    rescue_interval_s: float = 1.0
     max_attempts: int = 8
     retry_base_s: float = 2.0
     retry_cap_s: float = 3600.0
@@ -121,6 +126,8 @@ class Settings:
             broker_timeout_s=_number(env, "BROKER_TIMEOUT_S", defaults.broker_timeout_s, float, minimum=0.1),
             queue_name=env.get("LEDGER_QUEUE", defaults.queue_name) or defaults.queue_name,
             lease_s=_number(env, "LEDGER_LEASE_S", defaults.lease_s, int, minimum=5),
+            dead_peer_s=_number(env, "LEDGER_DEAD_PEER_S", defaults.dead_peer_s, float, minimum=2),
+            rescue_interval_s=_number(env, "LEDGER_RESCUE_INTERVAL_S", defaults.rescue_interval_s, float, minimum=0.1),
             max_attempts=_number(env, "LEDGER_MAX_ATTEMPTS", defaults.max_attempts, int, minimum=1),
             retry_base_s=_number(env, "LEDGER_RETRY_BASE_S", defaults.retry_base_s, float, minimum=0.01),
             retry_cap_s=_number(env, "LEDGER_RETRY_CAP_S", defaults.retry_cap_s, float, minimum=0.01),

@@ -14,14 +14,46 @@ from psycopg_pool import ConnectionPool
 from ledger.config import Settings
 
 
+# Keepalive probes Postgres sends a silent peer before it gives up on it (tcp_keepalives_count).
+KEEPALIVE_PROBES = 3
+# How often a backend running a statement looks whether its client is still there.
+CLIENT_CHECK_MS = 2000
+
+
+def session_guards(settings: Settings, *, name: str) -> tuple[str, dict]:
+    """The options (server settings) and libpq parameters of a worker's sessions, which must end soon
+    after their process or its host is gone (ledger/liveness.py):
+
+    * TCP keepalives, both ways: a peer silent for ``dead_peer_s`` (idle, then KEEPALIVE_PROBES probes)
+      is dead, and the session ends, rolling back its transaction and letting go of its locks;
+    * ``tcp_user_timeout``: data sent and not acknowledged for ``dead_peer_s`` ends it too (a cut that
+      fell in the middle of a pipeline, where the backend is writing, not waiting);
+    * ``client_connection_check_interval``: a backend waiting on a lock notices its client is gone;
+    * ``idle_in_transaction_session_timeout`` at half the lease, Celery's soft time limit: no live
+      worker's transaction idles that long (the limit ends its attempt first), so only a stopped
+      process's open transaction is ended, and its locks with it (its lease still governs).
+    """
+    interval_s = max(1, round(settings.dead_peer_s / 5))
+    idle_s = max(1, round(settings.dead_peer_s - KEEPALIVE_PROBES * interval_s))
+    user_timeout_ms = int(settings.dead_peer_s * 1000)
+    options = (f"-c application_name={name} -c tcp_keepalives_idle={idle_s} "
+               f"-c tcp_keepalives_interval={interval_s} -c tcp_keepalives_count={KEEPALIVE_PROBES} "
+               f"-c tcp_user_timeout={user_timeout_ms} -c client_connection_check_interval={CLIENT_CHECK_MS} "
+               f"-c idle_in_transaction_session_timeout={settings.lease_s * 500}")
+    return options, {"keepalives": 1, "keepalives_idle": idle_s, "keepalives_interval": interval_s,
+                     "keepalives_count": KEEPALIVE_PROBES, "tcp_user_timeout": user_timeout_ms}
+
+
 class ProcessPool:
     def __init__(self, settings: Settings, *, name: str, max_size: int | None = None,
-                 statement_timeout_ms: int | None = None, interactive: bool = False):
+                 statement_timeout_ms: int | None = None, interactive: bool = False, guarded: bool = False):
         self._settings = settings
         self._name = name
         self._max_size = max_size or settings.db_pool_max_size
         self._statement_timeout_ms = statement_timeout_ms
         self._interactive = interactive
+        # A worker's pool: its sessions end soon after the process or its host is gone (session_guards).
+        self._guarded = guarded
         self._lock = threading.Lock()
         self._pool: ConnectionPool | None = None
         self._pid: int | None = None
@@ -37,7 +69,8 @@ class ProcessPool:
         return self._pool
 
     def _open(self) -> ConnectionPool:
-        options = f"-c application_name={self._name}"
+        options, guards = session_guards(self._settings, name=self._name) if self._guarded else (
+            f"-c application_name={self._name}", {})
         if self._statement_timeout_ms:
             options += f" -c statement_timeout={self._statement_timeout_ms}"
         if self._interactive:
@@ -50,7 +83,7 @@ class ProcessPool:
             max_size=self._max_size,
             timeout=self._settings.db_pool_timeout_s,
             kwargs={"autocommit": True, "connect_timeout": max(1, int(self._settings.db_pool_timeout_s)),
-                    "options": options},
+                    "options": options, **guards},
             name=self._name,
             # The default backs off reconnecting for up to 5 minutes: after an
             # outage the receiver would keep answering 503 long after Postgres is back.

@@ -15,6 +15,7 @@ from psycopg.types.json import Jsonb
 
 from ledger.db import ProcessPool
 from ledger.errors import LeaseLost
+from ledger.liveness import Liveness, Probe, probe
 from ledger.queries import SQL
 from ledger.states import OutboxStatus
 from ledger.statements import run_statement
@@ -46,15 +47,18 @@ def record(conn: psycopg.Connection, *, idempotency_key: str, effect: str, event
 
 
 class OutboxLedger:
-    def __init__(self, pool: ProcessPool):
+    def __init__(self, pool: ProcessPool, *, liveness: Liveness | None = None):
         self._pool = pool
+        # The dispatcher process's proof of life (ledger/liveness.py), stamped on its claims.
+        self._liveness = liveness
 
     def _all(self, sql: str, params: dict) -> list[dict[str, Any]]:
         return run_statement(self._pool, sql, params)
 
     def claim(self, outbox_id: int, *, lease_s: int) -> EffectClaim | None:
         lease_owner = uuid.uuid4().hex
-        rows = self._all(SQL.outbox_claim, {"id": outbox_id, "lease_owner": lease_owner, "lease_s": lease_s})
+        rows = self._all(SQL.outbox_claim, {"id": outbox_id, "lease_owner": lease_owner, "lease_s": lease_s,
+                                            "liveness_key": self._liveness.key() if self._liveness else None})
         if not rows:
             return None
         row = rows[0]
@@ -72,6 +76,10 @@ class OutboxLedger:
                   "reason": reason, "error": error[:2000], "delay_s": delay_s, "wake_scheduled": wake_scheduled}
         if not self._all(SQL.outbox_fail_if_lease_held, params):
             raise LeaseLost()
+
+    def rescue_owners_gone(self) -> Probe:
+        """Take over the leases of effects whose dispatcher is gone (outbox_rescue_if_owner_gone)."""
+        return probe(self._all(SQL.outbox_rescue_if_owner_gone, {}), "outbox_id")
 
     def take_overdue_wakeups(self, *, overdue_s: float, batch: int) -> list[int]:
         return [r["id"] for r in self._all(SQL.outbox_sweep_overdue_wakeups,

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from urllib.parse import urlparse
 
 import kombu.transport.redis
+import redis
 from celery import Celery
 from kombu import Queue
 
@@ -58,6 +59,12 @@ class _SharedClientRedisChannel(kombu.transport.redis.Channel):
         if client:
             yield client
             return
+        if self.connection.client is None:
+            # The transport was closed under this channel (the worker reconnecting to the broker): a late
+            # ack or reject of one of its messages is a connection error, which the consumer logs and gets
+            # over, not kombu's AttributeError on the missing URL, which ends the worker. The message
+            # comes back to the queue with the connection's other unacked ones.
+            raise redis.exceptions.ConnectionError("the channel's broker connection is closed")
         pool = self.pool
         if self._shared is None or self._shared[0] is not pool:  # a closed channel gets a new pool
             self._shared = (pool, self._create_client())
@@ -124,6 +131,11 @@ def make_celery(settings: Settings, *, publisher_only: bool = False) -> Celery:
         task_time_limit=max(2, settings.lease_s * 3 // 4),
         # Publishing a wake-up is fire-and-forget beyond one try.
         task_publish_retry=False,
+        # Each worker's remote-control queue (its pidbox: Flower's and `celery inspect`'s) is not exclusive to
+        # one connection: a worker whose broker connection broke on its side first (a partition, a proxy in
+        # between) reconnects while the broker still holds the old one, and an exclusive queue would refuse
+        # it (ResourceLocked), which ends the worker. Auto-deleted with its last consumer all the same.
+        control_queue_exclusive=False,
         worker_hijack_root_logger=False,
         worker_send_task_events=settings.task_events,
         task_send_sent_event=False,

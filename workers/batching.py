@@ -9,10 +9,13 @@ consumed like any other); only how the worker runs them is new:
 
 * **A lone wake-up never waits for company.** While a pool process is idle, held
   wake-ups go at once (a batch of one, at low load). While every process is busy
-  they gather, and go when a process is free again, or when ``batch_max`` of them
-  are held (that batch waits for the next free process in the pool's own queue).
-  The batch size follows the load; no flush interval delays anything. As a
-  safeguard, nothing stays held longer than ``MAX_HOLD_S``.
+  they gather, up to ``batch_max`` a batch, and the next batch goes when a process
+  is free again. The batch size follows the load; no flush interval delays anything.
+* **A busy worker does not sit on wake-ups.** A batch is handed to the pool only
+  when a process is free, never queued behind running ones. Wake-ups held for
+  ``MAX_HOLD_S`` with every process still busy (a handler that runs long: it may run
+  up to half the lease) go back to the broker, for another worker to take, and the
+  worker stops widening its prefetch window (below) until one of its batches ends.
 * **A wake-up with a countdown (a retry's) goes Celery's own way**, through the
   default strategy: its timer, its prefetch accounting, one task for the one
   message. So does any message that is not a plain one-argument call.
@@ -25,7 +28,8 @@ consumed like any other); only how the worker runs them is new:
   consumer stops taking more.
 * **Acks.** Every message of a batch is acked once the batch ran (task_acks_late).
   A batch whose pool process died (SIGKILL, OOM) is requeued instead
-  (task_reject_on_worker_lost), as Celery does for one task; a batch that failed
+  (task_reject_on_worker_lost), as Celery does for one task (its claims are the
+  rescuer's: workers/rescue.py; its wake-ups not claimed yet run elsewhere at once); a batch that failed
   otherwise (its hard time limit) is acked, and the sweep re-drives its events. A
   wake-up is only a pointer: one lost with its worker is re-driven by the sweep,
   a duplicate costs a failed compare-and-set.
@@ -56,7 +60,7 @@ log = logging.getLogger(__name__)
 
 # The strategy, by name (Celery's Task.Strategy): ``@app.task(..., Strategy=STRATEGY, run_batch=...)``.
 STRATEGY = "workers.batching:strategy"
-# A held wake-up goes to the pool after this long even if no pool process ever looked free.
+# A wake-up held this long while every pool process stays busy goes back to the broker.
 MAX_HOLD_S = 1.0
 
 
@@ -137,6 +141,9 @@ class _Batches:
         self._held: list[_Held] = []
         self._running = 0   # batches handed to the pool and not back yet
         self._widened = 0   # held messages the prefetch window was widened for
+        # Every process stayed busy for MAX_HOLD_S: wake-ups went back to the broker, and the window is not
+        # widened again until a batch ends (a process is free).
+        self._saturated = False
         self._timer = None
 
     def hold(self, held: _Held) -> None:
@@ -146,7 +153,7 @@ class _Batches:
                                kwargs="{}", root_id=held.task_id, parent_id=None, retries=0, eta=None, expires=None)
         with self._lock:
             qos = self._consumer.qos
-            if qos is not None and self._widened < (self._processes() + 1) * self._batch_max:
+            if qos is not None and not self._saturated and self._widened < (self._processes() + 1) * self._batch_max:
                 qos.increment_eventually()
                 held.qos = qos
                 self._widened += 1
@@ -159,17 +166,31 @@ class _Batches:
         return getattr(self._pool, "num_processes", None) or getattr(self._pool, "limit", None) or 1
 
     def _flush_ready(self) -> None:
-        """Hand held wake-ups to the pool: all of them while a process is idle, else full batches."""
-        while self._held and (self._running < self._processes() or len(self._held) >= self._batch_max):
+        """Hand held wake-ups to the pool, a batch per free process."""
+        while self._held and self._running < self._processes():
             self._send(self._take())
 
     def _flush_overdue(self) -> None:
         with self._lock:
             self._timer = None
+            self._flush_ready()
             if self._held and time.monotonic() - self._held[0].held_since >= MAX_HOLD_S:
-                self._send(self._take())
+                self._give_back([held for held in self._held if time.monotonic() - held.held_since >= MAX_HOLD_S])
             if self._held:
                 self._timer = self._consumer.timer.call_after(MAX_HOLD_S, self._flush_overdue)
+
+    def _give_back(self, overdue: list[_Held]) -> None:
+        """Every process stayed busy: these wake-ups go back to the broker, for a worker that has a free one."""
+        returned = {id(held) for held in overdue}
+        self._held = [held for held in self._held if id(held) not in returned]
+        self._saturated = True
+        for held in overdue:
+            held.reject(log, self._errors, True)
+            if held.qos is not None:
+                held.qos.decrement_eventually()
+                self._widened -= 1
+        log.info("wake-ups back to the broker: every pool process stayed busy",
+                 extra={"task": self._task.name, "wakeups": len(overdue), "held_s": MAX_HOLD_S})
 
     def _take(self) -> list[_Held]:
         batch, self._held = self._held[:self._batch_max], self._held[self._batch_max:]
@@ -199,7 +220,7 @@ class _Batches:
         self._finish(batch, requeue=False)
 
     def _lost(self, batch: list[_Held], exc_info) -> None:
-        exc = getattr(exc_info, "exception", exc_info)
+        exc = failure_of(exc_info)
         requeue = isinstance(exc, WorkerLostError) and self._requeue_lost
         log.warning("batch lost with its pool process" if requeue else "batch did not finish",
                     extra={"task": self._task.name, "wakeups": len(batch), "error_class": type(exc).__name__,
@@ -221,10 +242,18 @@ class _Batches:
                     held.qos.decrement_eventually()
                     self._widened -= 1
             self._running -= 1
+            self._saturated = False
             self._flush_ready()
 
     def _events_enabled(self) -> bool:
         return self._eventer is not None and self._eventer.enabled
+
+
+def failure_of(exc_info) -> BaseException:
+    """The exception a pool's error callback reports: billiard hands an ExceptionInfo whose ``exception`` wraps
+    the one raised (ExceptionWithTraceback, its ``exc``); a bare exception is taken as it is."""
+    exc = getattr(exc_info, "exception", exc_info)
+    return getattr(exc, "exc", exc)
 
 
 def _log_received(name: str, task_id: str | None, arg: Any) -> None:

@@ -23,7 +23,13 @@ ATTEMPT_SECONDS = Histogram("worker_attempt_seconds", "Time from claim to finish
                             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
 RETRIES_SCHEDULED = Counter("worker_retries_scheduled_total", "Recoverable failures scheduled for a retry",
                             ["type", "reason"])
-LEASE_RESCUES = Counter("worker_lease_rescues_total", "Claims that took over an attempt whose worker died")
+# reason: worker_gone (the rescuer found the owner's session ended: workers/rescue.py), lease_expired (a claim
+# took over a lease that ran out: the owner was stopped, or claimed without liveness); work: event, effect.
+WORKER_RESCUES = Counter("worker_rescues_total", "Leases taken over from workers that were gone or out of time",
+                         ["reason", "work"])
+RESCUE_DELAY = Histogram("worker_rescue_delay_seconds",
+                         "From the last rescue pass that saw a gone worker's session alive to its event's takeover",
+                         buckets=(0.25, 0.5, 1, 2, 3, 5, 8, 12, 15, 20, 30, 60, 120))
 LOCK_DEFERRALS = Counter("worker_lock_deferrals_total",
                          "Events applied in a second transaction because another held one of their objects")
 REDRIVES = Counter("sweep_redrives_total", "Wake-ups re-sent by the recovery sweep")

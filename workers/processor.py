@@ -7,7 +7,8 @@ wake-ups a worker held together (``process_batch``): one compare-and-set claims
 every id it can; one transaction locks the objects the events write (see
 ``_apply_all``) and applies each claimed event in a savepoint of its own
 (``WorkerLedger.applying``: fenced and finished per event, a failing one rolled
-back alone), and one COMMIT ends it; after the COMMIT each attempt is concluded on
+back alone), and one COMMIT ends it (or a few, when a handler runs long: see
+``_apply_all``); after the COMMIT each attempt is concluded on
 its own by workers.attempt's rules, its failure recorded and its wake-ups sent.
 
 A thin event notification is fetched first (workers/thin.py: the object or the v2 event
@@ -48,6 +49,10 @@ from workers.thin import Applied, ThinFetcher
 from workers.wakeup import Waker
 
 log = logging.getLogger(__name__)
+
+# How long an apply transaction may hold what it has applied before it commits and goes on in the next
+# (see _apply_all): far above a batch's usual few to a hundred milliseconds.
+BATCH_HOLD_S = 1.0
 
 Outcome = outcomes("Outcome", __name__, EventStatus.PROCESSED, EventStatus.FAILED_RECOVERABLE,
                    EventStatus.FAILED_PERMANENT)
@@ -117,17 +122,22 @@ class EventProcessor(LeasedWork):
         """The work of the claims: every claim's result (as ``_conclude`` takes it) once its
         transaction has ended; the wake-ups of the effects committed are sent.
 
-        Object locks (ledger/sql/objects.sql): the first transaction takes, without waiting,
-        the keys of its members' objects it can have, and applies the members whose keys are
-        all its own; the others go in a second transaction once the first has committed,
-        which waits for their keys, all of them at once in the one global order. So no two
-        transactions ever wait for each other in a cycle (no deadlock, whatever order the
-        wake-ups arrive in), and a transaction holding a batch's locks never waits for one."""
+        Object locks (ledger/sql/objects.sql): a first transaction takes, without waiting, each
+        member's keys just before it applies that member, and applies it when they are all its own;
+        the others go in a later transaction that waits for their keys, all of them at once in the
+        one global order. So no two transactions ever wait for each other in a cycle (no deadlock,
+        whatever order the wake-ups arrive in), and a transaction holding a batch's locks never
+        waits for one.
+
+        A transaction holds what it has applied until its COMMIT. So once it has been open for
+        BATCH_HOLD_S, it commits before the next member, and the rest go in the next transaction:
+        a member whose handler runs long (legitimately: it is never taken over) holds up the
+        members applied before it in its transaction, never the ones after it, nor their objects."""
         results: dict[str, Failure | LeaseLost | None] = {}
         to_fetch: list[Claim] = []
         for claim in claims:
             if claim.rescued:
-                metrics.LEASE_RESCUES.inc()
+                metrics.WORKER_RESCUES.labels("lease_expired", "event").inc()
             refused = self._refused(claim)
             if refused is not None:
                 results[claim.event_id] = refused
@@ -141,35 +151,49 @@ class EventProcessor(LeasedWork):
                 results[claim.event_id] = event
             else:
                 members.append(_Member(claim, event, frozenset(object_keys(event.event))))
-        deferred = self._apply_round(members, results, wait=False) if members else []
+        deferred: list[_Member] = []
+        while members:
+            round_deferred, members = self._apply_round(members, results, wait=False)
+            deferred.extend(round_deferred)
         if deferred:
             metrics.LOCK_DEFERRALS.inc(len(deferred))
-            self._apply_round(deferred, results, wait=True)
+        out_of_time = next((result for result in results.values()
+                            if isinstance(result, Failure) and result.reason == "time_limit"), None)
+        if out_of_time is not None:
+            for member in deferred:
+                results[member.claim.event_id] = dataclasses.replace(
+                    out_of_time, message="the batch reached its time limit before this event was applied")
+            deferred = []
+        while deferred:
+            _, deferred = self._apply_round(deferred, results, wait=True)
         return results
 
-    def _apply_round(self, members: list["_Member"], results: dict, *, wait: bool) -> list["_Member"]:
-        """One transaction: lock the members' objects (``wait``: all, in order; else what is free),
-        apply each member that holds its keys, COMMIT. Records each applied member's result in
-        ``results``; returns the members left for a transaction that waits."""
+    def _apply_round(self, members: list["_Member"], results: dict, *,
+                     wait: bool) -> tuple[list["_Member"], list["_Member"]]:
+        """One transaction: lock the members' objects (``wait``: all of the round's at once, in order;
+        else each member's just before it, what is free), apply each member that holds its keys, COMMIT.
+        Records each applied member's result in ``results``; returns the members left for a
+        transaction that waits, and those not reached before BATCH_HOLD_S ran out (for the next)."""
         applied: list[tuple[Claim, ApplyContext]] = []
         deferred: list[_Member] = []
         attempted: list[_Member] = []
+        not_reached: list[_Member] = []
         try:
-            with self.ledger.applying() as tx:
-                keys = set().union(*(member.keys for member in members))
+            with self.ledger.applying([member.claim for member in members]) as tx:
+                opened = time.monotonic()
                 if wait:
-                    tx.lock(keys)
-                    held = keys
-                else:
-                    held = tx.try_lock(keys)
+                    tx.lock(set().union(*(member.keys for member in members)))
                 out_of_time: Failure | None = None
-                for member in members:
+                for n, member in enumerate(members):
                     claim = member.claim
-                    if not member.keys <= held:
-                        deferred.append(member)
-                        continue
                     if out_of_time is not None:
                         results[claim.event_id] = out_of_time
+                        continue
+                    if attempted and time.monotonic() - opened > BATCH_HOLD_S:
+                        not_reached = members[n:]
+                        break
+                    if not wait and not member.keys <= tx.try_lock(member.keys):
+                        deferred.append(member)
                         continue
                     attempted.append(member)
                     result = self._apply_member(tx, claim, member.event)
@@ -185,15 +209,15 @@ class EventProcessor(LeasedWork):
             failure = _transaction_failure(exc, lone=len(attempted) == 1)
             for member in members:
                 results.setdefault(member.claim.event_id, failure)
-            return []
+            return [], []
         for claim, context in applied:
             results[claim.event_id] = None
             self._after_commit(context)
         if out_of_time is not None:
             for member in deferred:
                 results[member.claim.event_id] = out_of_time
-            return []
-        return deferred
+            return [], []
+        return deferred, not_reached
 
     def _apply_member(self, tx: ApplyTransaction, claim: Claim, event: Applied) -> ApplyContext | Failure | LeaseLost:
         try:

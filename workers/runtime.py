@@ -7,12 +7,14 @@ from celery import Celery
 
 from ledger.config import Settings
 from ledger.db import ProcessPool
+from ledger.liveness import Liveness
 from ledger.outbox import OutboxLedger
 from ledger.attempts import WorkerLedger
 from workers.dispatcher import OutboxDispatcher
 from workers.effects import Sender, load_senders
 from workers.processor import EventProcessor
 from workers.registry import load_handlers
+from workers.rescue import Rescuer
 from workers.retry import RetryPolicy
 from workers.sweep import Sweeper
 from workers.wakeup import Waker
@@ -25,15 +27,19 @@ class Runtime:
 
     @cached_property
     def pool(self) -> ProcessPool:
-        return ProcessPool(self.settings, name="worker")
+        return ProcessPool(self.settings, name="worker", guarded=True)
+
+    @cached_property
+    def liveness(self) -> Liveness:
+        return Liveness(self.settings)
 
     @cached_property
     def ledger(self) -> WorkerLedger:
-        return WorkerLedger(self.pool)
+        return WorkerLedger(self.pool, liveness=self.liveness)
 
     @cached_property
     def outbox(self) -> OutboxLedger:
-        return OutboxLedger(self.pool)
+        return OutboxLedger(self.pool, liveness=self.liveness)
 
     @cached_property
     def senders(self) -> dict[str, Sender]:
@@ -56,8 +62,12 @@ class Runtime:
                                 lease_s=self.settings.lease_s)
 
     @cached_property
+    def rescuer(self) -> Rescuer:
+        return Rescuer(self.ledger, self.waker, outbox=self.outbox)
+
+    @cached_property
     def sweeper(self) -> Sweeper:
-        return Sweeper(self.ledger, self.waker, self.celery, self.settings, outbox=self.outbox)
+        return Sweeper(self.ledger, self.waker, self.celery, self.settings, outbox=self.outbox, rescuer=self.rescuer)
 
 
 def sweep_process(settings: Settings, *, operator=None, outbox: OutboxLedger | None = None) -> Sweeper:

@@ -10,6 +10,10 @@ the next for that event, at most ``batch`` per pass, and no pass while the broke
 queue already holds a batch or more (workers are behind; the wake-ups are there).
 Several sweepers may run at once: rows are picked with SKIP LOCKED.
 
+Before re-driving, each pass takes over the leases of workers that are gone
+(workers/rescue.py); ``run_forever`` runs that rescue on a thread of its own,
+every LEDGER_RESCUE_INTERVAL_S, apart from the slower passes.
+
 With LEDGER_CATCHUP_INTERVAL_S set (0, the default, is off), ``run_forever`` also
 runs the periodic catch-up (workers/catchup.py) on a thread beside the passes:
 the events Stripe has that no webhook delivered, for the platform and every
@@ -29,6 +33,7 @@ from ledger.config import Settings
 from ledger.outbox import OutboxLedger
 from ledger.attempts import WorkerLedger
 from workers import metrics
+from workers.rescue import Rescuer
 from workers.wakeup import Waker
 
 log = logging.getLogger(__name__)
@@ -64,8 +69,13 @@ class Sweeper:
     settings: Settings
     # Unsent effects are re-driven the same way (the outbox's backstop).
     outbox: OutboxLedger | None = None
+    # Takes over the leases of gone workers (workers/rescue.py): once per pass of run_once, and every
+    # LEDGER_RESCUE_INTERVAL_S on a thread of its own in run_forever.
+    rescuer: Rescuer | None = None
 
-    def run_once(self) -> SweepResult:
+    def run_once(self, *, rescue: bool = True) -> SweepResult:
+        if rescue and self.rescuer is not None:
+            self.rescuer.run_once()
         # Broker unreachable (None): wake-ups will fail anyway; the ledger keeps the work.
         depth = queue_depth(self.celery, self.settings.queue_name)
         if depth is not None and depth >= self.settings.sweep_batch:
@@ -87,10 +97,15 @@ class Sweeper:
         started = time.monotonic()
         stop = threading.Event()
         catchup = self._start_catchup(stop)
+        rescue = None
+        if self.rescuer is not None:
+            rescue = threading.Thread(target=self.rescuer.run_until, args=(stop, self.settings.rescue_interval_s),
+                                      name="rescue", daemon=True)
+            rescue.start()
         try:
             while stop_after is None or time.monotonic() - started < stop_after:
                 try:
-                    result = self.run_once()
+                    result = self.run_once(rescue=False)
                 except Exception as exc:
                     log.error("sweep pass failed; next pass will try again",
                               extra={"error_class": type(exc).__name__})
@@ -100,8 +115,9 @@ class Sweeper:
                     time.sleep(self.settings.sweep_interval_s)
         finally:
             stop.set()
-            if catchup is not None:
-                catchup.join()
+            for thread in (catchup, rescue):
+                if thread is not None:
+                    thread.join()
 
     def _start_catchup(self, stop: threading.Event) -> threading.Thread | None:
         interval = self.settings.catchup_interval_s

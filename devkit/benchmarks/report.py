@@ -763,6 +763,11 @@ def summary(name: str, result: dict[str, Any]) -> tuple[str, str]:
         return steady_summary(result)
     if name == "receiver-cost":
         return receiver_cost_summary(result)
+    if name == "rescue":
+        from .rescue import summary as rescue_summary
+
+        text, values = rescue_summary(result)
+        return text, kv("rescue", values)
     if name == "profile":
         parts = []
         for who in ("receiver", "worker"):

@@ -37,6 +37,7 @@ from . import brokers, payloads, peer, report, revisions
 from .loadgen import Wrk
 from .payloads import SignedDelivery
 from .pg import BenchDatabase, run_pgbench, url_parts
+from .rescue import rescue
 from .revisions import Revision
 from .stack import MachineCpu, ProcessWatch, Stack, WorkerFleet, bench_postgres, wire_segments
 from .workload import (BacklogEvent, DrainScript, EventSource, history_sql, ingest_scripts, load_received,
@@ -1636,7 +1637,7 @@ def _wait_drained_count(b: Bench, remaining: int, timeout_s: float) -> None:
 
 SCENARIOS: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "ingest": ingest, "drain": drain, "burst": burst, "replay": replay, "scale": scale, "cost": cost,
-    "profile": profile, "steady": steady, "receiver-cost": receiver_cost,
+    "profile": profile, "steady": steady, "receiver-cost": receiver_cost, "rescue": rescue,
 }
 ALL = ("ingest", "drain", "burst", "replay", "scale", "cost", "receiver-cost", "steady")
 # Scenarios that take turns between the revisions of --compare themselves (per level);

@@ -61,6 +61,9 @@ SELECT id, type, status, attempts, failure_reason, last_error, stripe_created, l
 -- it or sends the next wake-up, and the sweep re-drives whatever is left; so a
 -- batch never waits on another worker's apply. In the same statement each dead
 -- worker's attempt is closed as lease_expired, and this attempt is opened in the history.
+-- liveness_key: the advisory-lock key whose holder is this worker process's Postgres
+-- session (ledger/liveness.py; NULL: none); once nobody holds it, the rescuer takes the
+-- lease over without waiting for it to expire (event_rescue_if_owner_gone).
 WITH claimable AS (
     SELECT id
       FROM ledger.events
@@ -74,12 +77,13 @@ WITH claimable AS (
        SET status           = 'processing',
            lease_owner      = %(lease_owner)s,
            lease_expires_at = now() + make_interval(secs => %(lease_s)s),
+           lease_liveness_key = %(liveness_key)s,
            attempts         = attempts + 1,
            redrives         = 0,
            updated_at       = now()
      WHERE id IN (SELECT id FROM claimable)
  RETURNING id, type, attempts, attempts - attempt_base AS tries, payload, stripe_created,
-           livemode, api_version, account
+           livemode, api_version, account, lease_liveness_key
 ), closed AS (
     UPDATE ledger.attempts
        SET outcome = 'lease_expired', finished_at = now(),
@@ -117,7 +121,7 @@ SELECT coalesce((SELECT id
 WITH finished AS (
     UPDATE ledger.events
        SET status = 'processed', processed_at = now(), lease_owner = NULL,
-           lease_expires_at = NULL, next_attempt_at = NULL, failure_reason = NULL,
+           lease_expires_at = NULL, lease_liveness_key = NULL, next_attempt_at = NULL, failure_reason = NULL,
            last_error = NULL, updated_at = now()
      WHERE id = %(id)s AND status = 'processing' AND lease_owner = %(lease_owner)s
  RETURNING id
@@ -146,6 +150,7 @@ WITH failed AS (
                                     ELSE wakeup_at END,
            lease_owner      = NULL,
            lease_expires_at = NULL,
+           lease_liveness_key = NULL,
            updated_at       = now()
      WHERE id = %(id)s AND status = 'processing' AND lease_owner = %(lease_owner)s
  RETURNING id
@@ -182,3 +187,45 @@ UPDATE ledger.events e
          LIMIT %(batch)s
            FOR UPDATE SKIP LOCKED)
 RETURNING e.id, e.status
+
+-- name: event_rescue_if_owner_gone
+-- Rescuer (the sweep): processing under a live lease whose owner is gone -> processing with
+-- its lease expired now, so the next claim takes it (and the rescuer wakes it). An owner is
+-- gone when nobody holds its liveness key any more: the worker's Postgres session, which
+-- holds it, ended (its process died, or Postgres gave up on its silent host). The probe
+-- takes the key for this statement only; a live owner's key is held, so a live owner is
+-- never taken over however long its handler runs (its lease governs, as for an owner that
+-- is stopped but whose session lives). The owner's attempt is closed as worker_lost. A row
+-- still locked (the gone worker's apply transaction not yet ended) is skipped: a later pass
+-- takes it. Every probed key comes back with whether it is alive; each rescued event once.
+-- A late owner is fenced as ever: the next claim gives the row another lease_owner.
+WITH owners AS MATERIALIZED (
+    SELECT DISTINCT lease_liveness_key AS key
+      FROM ledger.events
+     WHERE status = 'processing' AND lease_liveness_key IS NOT NULL AND lease_expires_at > now()
+), probed AS MATERIALIZED (
+    SELECT key, NOT pg_try_advisory_xact_lock(key) AS alive FROM owners
+), taken AS (
+    SELECT id
+      FROM ledger.events
+     WHERE status = 'processing' AND lease_expires_at > now()
+       AND lease_liveness_key IN (SELECT key FROM probed WHERE NOT alive)
+       FOR NO KEY UPDATE SKIP LOCKED
+), rescued AS (
+    UPDATE ledger.events e
+       SET lease_expires_at = now(), wakeup_at = now(), redrives = 0, updated_at = now()
+     WHERE e.id IN (SELECT id FROM taken)
+ RETURNING e.id, e.lease_liveness_key AS key, e.attempts
+), closed AS (
+    UPDATE ledger.attempts a
+       SET outcome = 'worker_lost', finished_at = now(), error_class = 'WorkerGone',
+           error = 'its worker''s Postgres session ended (the process died or its host went silent); '
+                   'the lease was taken over'
+      FROM rescued r
+     WHERE a.event_id = r.id AND a.attempt = r.attempts AND a.outcome = 'running'
+ RETURNING a.event_id, a.started_at
+)
+SELECT p.key, p.alive, r.id AS event_id, extract(epoch FROM now() - c.started_at)::float8 AS held_s
+  FROM probed p
+  LEFT JOIN rescued r ON r.key = p.key
+  LEFT JOIN closed c ON c.event_id = r.id

@@ -21,7 +21,7 @@ SELECT pg_advisory_xact_lock(hashtextextended('ledger.outbox:' || %(ordering_key
 -- The same compare-and-set as event_claim: one dispatcher owns a delivery attempt.
 UPDATE ledger.outbox
    SET status = 'sending', lease_owner = %(lease_owner)s,
-       lease_expires_at = now() + make_interval(secs => %(lease_s)s),
+       lease_expires_at = now() + make_interval(secs => %(lease_s)s), lease_liveness_key = %(liveness_key)s,
        attempts = attempts + 1, redrives = 0, updated_at = now()
  WHERE id = %(id)s
    AND (status = 'pending'
@@ -34,7 +34,7 @@ RETURNING id, idempotency_key, effect, event_id, ordering_key, payload, attempts
 -- Dispatcher: sending -> sent. No row: our lease was taken over (the other
 -- dispatcher's call carries the same idempotency key, so the effect still lands once).
 UPDATE ledger.outbox
-   SET status = 'sent', sent_at = now(), lease_owner = NULL, lease_expires_at = NULL,
+   SET status = 'sent', sent_at = now(), lease_owner = NULL, lease_expires_at = NULL, lease_liveness_key = NULL,
        failure_reason = NULL, last_error = NULL, next_attempt_at = NULL, updated_at = now()
  WHERE id = %(id)s AND status = 'sending' AND lease_owner = %(lease_owner)s
 RETURNING id
@@ -50,7 +50,7 @@ UPDATE ledger.outbox
        wakeup_at       = CASE WHEN %(status)s = 'failed_recoverable' AND %(wake_scheduled)s
                               THEN now() + make_interval(secs => %(delay_s)s)
                               ELSE wakeup_at END,
-       lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
+       lease_owner = NULL, lease_expires_at = NULL, lease_liveness_key = NULL, updated_at = now()
  WHERE id = %(id)s AND status = 'sending' AND lease_owner = %(lease_owner)s
 RETURNING id
 
@@ -111,3 +111,30 @@ SELECT count(*) FILTER (WHERE status IN ('pending', 'sending', 'failed_recoverab
            WHERE status IN ('pending', 'sending', 'failed_recoverable'))) AS oldest_unsent_age_s
   FROM ledger.outbox
  WHERE status <> 'sent'
+
+-- name: outbox_rescue_if_owner_gone
+-- Rescuer (the sweep): sending under a live lease whose dispatcher is gone -> sending with its
+-- lease expired now, as event_rescue_if_owner_gone does for events (the outbox keeps no attempt
+-- history: its attempts count stays). The effect's idempotency key makes a late delivery of the
+-- gone dispatcher harmless.
+WITH owners AS MATERIALIZED (
+    SELECT DISTINCT lease_liveness_key AS key
+      FROM ledger.outbox
+     WHERE status = 'sending' AND lease_liveness_key IS NOT NULL AND lease_expires_at > now()
+), probed AS MATERIALIZED (
+    SELECT key, NOT pg_try_advisory_xact_lock(key) AS alive FROM owners
+), taken AS (
+    SELECT id
+      FROM ledger.outbox
+     WHERE status = 'sending' AND lease_expires_at > now()
+       AND lease_liveness_key IN (SELECT key FROM probed WHERE NOT alive)
+       FOR NO KEY UPDATE SKIP LOCKED
+), rescued AS (
+    UPDATE ledger.outbox o
+       SET lease_expires_at = now(), wakeup_at = now(), redrives = 0, updated_at = now()
+     WHERE o.id IN (SELECT id FROM taken)
+ RETURNING o.id, o.lease_liveness_key AS key
+)
+SELECT p.key, p.alive, r.id AS outbox_id
+  FROM probed p
+  LEFT JOIN rescued r ON r.key = p.key

@@ -162,7 +162,7 @@ def test_a_worker_serves_attempt_retry_and_rescue_metrics_summed_over_its_childr
         key("worker_attempt_seconds_count", type="test.effect"): 3,
         key("worker_attempt_seconds_count", type="test.flaky"): 2,
         key("worker_attempt_seconds_bucket", type="test.flaky", le="+Inf"): 2,
-        key("worker_lease_rescues_total"): 1,
+        key("worker_rescues_total", reason="lease_expired", work="event"): 1,
     }, "the worker's metrics")
     assert value(found, "worker_attempt_seconds_sum", type="test.effect") > 0
     assert sum(v for (name, _), v in found.items() if name == "worker_attempts_total") == 7

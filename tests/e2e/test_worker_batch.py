@@ -89,3 +89,28 @@ def test_a_lone_wakeup_to_an_idle_worker_is_not_held_back(kit, broker_settings, 
     assert [b["wakeups"] for b in batches] == [1, 1, 1]
     # Handed to a pool process as it arrived: no wait for company (nor for the safeguard's MAX_HOLD_S).
     assert all(b["held_s"] < MAX_HOLD_S / 10 for b in batches), batches
+
+
+def test_a_worker_whose_processes_are_all_busy_gives_its_wakeups_to_an_idle_one(kit, broker_settings, worker_factory):
+    """A handler that runs long (here 12 s, within the soft time limit) keeps its worker's one process busy: the wake-ups that worker takes
+    meanwhile go back to the broker after MAX_HOLD_S, and a worker with a free process runs them, long before the
+    busy one could."""
+    now = int(time.time())
+    waker = Waker(make_celery(broker_settings))
+    busy = worker_factory(broker_settings, concurrency=1, label="busy")
+    [long] = kit.record_many([event("test.effect", {"id": "obj_long", "sleep_s": 12}, created=now)])
+    assert waker.wake(long)
+    wait_until(lambda: kit.event(long)["status"] == "processing", timeout_s=30, what="the long event to start")
+    ids = kit.record_many([event("test.effect", {"id": f"obj_after_{n}"}, created=now) for n in range(6)])
+    for evt_id in ids:
+        assert waker.wake(evt_id)
+    time.sleep(MAX_HOLD_S / 2)                      # the busy worker's consumer has taken them by now
+    idle = worker_factory(broker_settings, concurrency=1, label="idle")
+    for evt_id in ids:
+        kit.wait_status(evt_id, "processed", timeout_s=15)
+    assert kit.status(long) == "processing", "the long event ended before the test could tell"
+    ran_on = {int(a["worker"].rsplit(":", 1)[1]) for evt_id in ids for a in kit.attempts(evt_id)}
+    assert ran_on <= set(idle.children()), (ran_on, idle.children(), busy.children())
+    returned = [r for r in _records(busy, "workers.batching") if r.get("message", "").startswith("wake-ups back")]
+    print(f"\n[{broker_settings.broker_url.split(':')[0]}] the busy worker gave back {sum(r['wakeups'] for r in returned)}"
+          f" wake-up(s) in {len(returned)} go(es)")

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 
-from devkit.factories import SubscriptionHistory
+from devkit.factories import SubscriptionHistory, event
 from devkit.procs import wait_until
-from workers.processor import Outcome
+from ledger.attempts import OBJECT_LOCK_BUDGET_S, OBJECT_WAIT_MS
+from workers.processor import BATCH_HOLD_S, Outcome
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -111,6 +113,75 @@ def test_a_transaction_waiting_for_its_objects_holds_none_of_those_later_in_the_
             assert probe.try_lock([high]) == {high}, "the waiter took a later key before the one it waits for"
     thread.join(10)
     assert done == [True]
+
+
+def test_a_waiter_behind_a_holder_that_does_not_let_go_lets_go_of_its_own_keys_each_wait(kit):
+    """A holder that keeps a key (a host gone silent inside its transaction) holds up the transaction that
+    waits for it, but nobody behind that one: each wait lasts OBJECT_WAIT_MS, then the waiter lets go of
+    the earlier keys it took, and queues for the set again; it gets them all once the holder is gone."""
+    names = [f"cus_stuck_{n}" for n in range(8)]
+    first, stuck = next((a, b) for a in names for b in names if a != b and _hash(kit, a) < _hash(kit, b))
+    holder, waiter, other = kit.ledger("holder"), kit.ledger("waiter"), kit.ledger("other")
+    done: list = []
+
+    def wait_for_both():
+        with waiter.applying() as tx:
+            tx.lock([first, stuck])
+            done.append(True)
+
+    with holder.applying() as held:
+        assert held.try_lock([stuck]) == {stuck}
+        thread = threading.Thread(target=wait_for_both)
+        thread.start()
+        wait_until(lambda: kit.query("SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory' "
+                                     "AND NOT granted")[0]["n"] == 1, timeout_s=10, what="the waiter to wait")
+        # The waiter holds `first` while it waits for `stuck`; another transaction that needs `first` gets it
+        # within a wait or two, and commits. It runs in a thread of its own so that a waiter that never lets
+        # go fails this test instead of hanging it: the holder lets go below, whatever happened.
+        other_took: list = []
+
+        def take_first():
+            started = time.monotonic()
+            with other.applying() as tx:
+                tx.lock([first])
+            other_took.append(time.monotonic() - started)
+
+        other_thread = threading.Thread(target=take_first)
+        other_thread.start()
+        other_thread.join(3 * OBJECT_WAIT_MS / 1000)
+        still_waiting = not other_took
+        assert not done
+    other_thread.join(OBJECT_LOCK_BUDGET_S + 5)
+    thread.join(3 * OBJECT_WAIT_MS / 1000 + 5)
+    assert not still_waiting, "another transaction waited on the waiter's key past three waits"
+    assert done == [True]
+
+
+def test_a_handler_that_runs_long_never_holds_the_members_after_it_nor_their_objects(kit):
+    """A member whose handler runs long holds its own transaction open: once that has lasted
+    BATCH_HOLD_S, the batch commits and the members after it go in the next transaction. Meanwhile their
+    objects were never locked, so another worker applies an event of the same customer at once."""
+    slow_s = 4 * BATCH_HOLD_S
+    now = int(time.time())
+    slow = kit.record(event("test.effect", {"id": "obj_slow_first", "sleep_s": slow_s}, created=now))
+    history = SubscriptionHistory(start=1_700_000_000).lifecycle()
+    # The second shares the first's customer and subscription.
+    after_id, same_customer = kit.record_many(history.events[:2])
+    batch, alone = kit.processor(name="worker-batch"), kit.processor(name="worker-alone")
+    outcomes: list = []
+    worker = threading.Thread(target=lambda: outcomes.extend(batch.process_batch([slow, after_id])))
+    worker.start()
+    wait_until(lambda: kit.status(slow) == "processing", timeout_s=10, what="the batch to be claimed")
+    time.sleep(BATCH_HOLD_S / 2)  # the slow member's handler is running
+    started = time.monotonic()
+    assert alone.process(same_customer) == Outcome.PROCESSED
+    assert time.monotonic() - started < BATCH_HOLD_S, "an object of a member after the slow one was held"
+    assert kit.status(after_id) == "processing"
+    worker.join(slow_s + 30)
+    assert outcomes == [Outcome.PROCESSED, Outcome.PROCESSED]
+    commits = kit.query("SELECT count(DISTINCT finished_at) AS n FROM ledger.attempts WHERE event_id = ANY(%s)",
+                        ([slow, after_id],))[0]["n"]
+    assert commits == 2, "the members after the slow one committed with it"
 
 
 def test_the_countdown_path_takes_the_same_object_locks(kit):

@@ -35,6 +35,9 @@ def env_for(settings: Settings, *, handler_modules: tuple[str, ...] = (TEST_HAND
         "LEDGER_RETRY_CAP_S": str(settings.retry_cap_s),
         "LEDGER_SWEEP_OVERDUE_S": str(settings.sweep_overdue_s),
         "LEDGER_SWEEP_BATCH": str(settings.sweep_batch),
+        "LEDGER_SWEEP_INTERVAL_S": str(settings.sweep_interval_s),
+        "LEDGER_DEAD_PEER_S": str(settings.dead_peer_s),
+        "LEDGER_RESCUE_INTERVAL_S": str(settings.rescue_interval_s),
     }
     if settings.outbox_webhook_url:
         # The outbox's webhook sender (only when the test configures one).
