@@ -76,6 +76,7 @@ class Liveness:
                 pass
         self._conn, self._key, self._pid = None, None, os.getpid()
         options, kwargs = session_guards(self._settings, name=self._name)
+        conn = None
         try:
             conn = psycopg.connect(self._settings.database_url, autocommit=True, options=options,
                                    connect_timeout=max(1, int(self._settings.db_pool_timeout_s)), **kwargs)
@@ -88,6 +89,8 @@ class Liveness:
                     return
             conn.close()
         except psycopg.Error as exc:
+            if conn is not None:
+                conn.close()
             log.warning("no liveness session: this process's leases will be waited out if it dies",
                         extra={"error_class": type(exc).__name__})
 

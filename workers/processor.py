@@ -192,7 +192,7 @@ class EventProcessor(LeasedWork):
                     if attempted and time.monotonic() - opened > BATCH_HOLD_S:
                         not_reached = members[n:]
                         break
-                    if not wait and not member.keys <= tx.try_lock(member.keys):
+                    if not wait and member.keys and not member.keys <= tx.try_lock(member.keys):
                         deferred.append(member)
                         continue
                     attempted.append(member)
@@ -213,10 +213,7 @@ class EventProcessor(LeasedWork):
         for claim, context in applied:
             results[claim.event_id] = None
             self._after_commit(context)
-        if out_of_time is not None:
-            for member in deferred:
-                results[member.claim.event_id] = out_of_time
-            return [], []
+        # Past the time limit every member was given a result but the deferred ones: _apply_all gives them theirs.
         return deferred, not_reached
 
     def _apply_member(self, tx: ApplyTransaction, claim: Claim, event: Applied) -> ApplyContext | Failure | LeaseLost:

@@ -33,6 +33,7 @@ from typing import Callable
 import psycopg
 
 from ledger.attempts import WorkerLedger
+from ledger.liveness import Probe
 from ledger.outbox import OutboxLedger
 from workers import metrics
 from workers.wakeup import Waker
@@ -69,26 +70,24 @@ class Rescuer:
             log.warning("ended the sessions of stopped workers whose leases ran out",
                         extra={"sessions_ended": len(ended)})
         events = self.ledger.rescue_owners_gone()
-        effects = self.outbox.rescue_owners_gone() if self.outbox is not None else None
+        effects = self.outbox.rescue_owners_gone() if self.outbox is not None else Probe(alive={}, rescued=[])
         for row in events.rescued:
             # Never seen alive by this rescuer (it just started): since the attempt began, at most.
             seen = self._last_alive.get(row["key"], now - (row["held_s"] or 0.0))
             metrics.RESCUE_DELAY.observe(max(0.0, now - seen))
             metrics.WORKER_RESCUES.labels("worker_gone", "event").inc()
             self.waker.wake(row["event_id"])
-        for row in effects.rescued if effects is not None else ():
+        for row in effects.rescued:
             metrics.WORKER_RESCUES.labels("worker_gone", "effect").inc()
             self.waker.wake_effect(row["outbox_id"])
-        probed = {**events.alive, **(effects.alive if effects is not None else {})}
+        probed = {**events.alive, **effects.alive}
         # Alive now: seen now. Gone but with rows still leased (locked by its ending transaction, taken by
         # a later pass): when it was last seen alive.
         self._last_alive = {key: now if alive else self._last_alive[key] for key, alive in probed.items()
                             if alive or key in self._last_alive}
-        result = RescueResult([row["event_id"] for row in events.rescued],
-                              [row["outbox_id"] for row in effects.rescued] if effects is not None else [])
+        result = RescueResult([row["event_id"] for row in events.rescued], [row["outbox_id"] for row in effects.rescued])
         if result.events or result.effects:
-            gone = {row["key"] for row in events.rescued} | (
-                {row["key"] for row in effects.rescued} if effects is not None else set())
+            gone = {row["key"] for row in [*events.rescued, *effects.rescued]}
             log.warning("took over the leases of gone workers", extra={
                 "workers_gone": len(gone), "events_rescued": len(result.events), "effects_rescued": len(result.effects)})
         return result

@@ -9,9 +9,10 @@
 -- whenever one wait runs long.
 
 -- name: object_try_lock
--- First statement of a batch's transaction: every key it can have without waiting.
--- A key another transaction holds is not returned; the members that need it go in
--- a later transaction (ApplyTransaction.lock) instead of waiting here with locks held.
+-- A batch's transaction, just before it applies a member: every key of the member's it
+-- can have without waiting. A key another transaction holds is not returned; a member
+-- that needs it goes in a later transaction (ApplyTransaction.lock) instead of waiting
+-- here with locks held.
 SELECT key
   FROM unnest(%(keys)s::text[]) AS key
  WHERE pg_try_advisory_xact_lock(hashtextextended('ledger.object:' || key, 0))
