@@ -60,6 +60,17 @@ SABOTAGES = (
           " RETURNING id\n), closed AS (\n    UPDATE ledger.attempts\n       SET outcome = 'processed'")),
         ("tests/integration/test_worker_fencing.py",)),
     Sabotage(
+        "set-based-fence-without-lease-owner",
+        "the set-based apply's fence and finish no longer check the lease owner: "
+        "events_lock_if_leases_held and events_finish_if_leases_held (ledger/sql/events.sql)",
+        (("ledger/sql/events.sql",
+          "    ON e.id = m.id AND e.lease_owner = m.lease_owner\n WHERE e.status = 'processing'",
+          "    ON e.id = m.id\n WHERE e.status = 'processing'"),
+         ("ledger/sql/events.sql",
+          "     WHERE e.id = m.id AND e.status = 'processing' AND e.lease_owner = m.lease_owner",
+          "     WHERE e.id = m.id AND e.status = 'processing'")),
+        ("tests/integration/test_worker_fencing.py", "tests/integration/test_worker_batch.py")),
+    Sabotage(
         "non-idempotent-upsert",
         "subscription upsert overwrites whatever the event: the newer-than guard dropped from "
         "subscription_apply_event (workers/billing/billing.sql)",
@@ -123,12 +134,12 @@ SABOTAGES = (
         ("tests/integration/test_worker_batch.py", "tests/integration/test_worker_fencing.py")),
     Sabotage(
         "member-not-rolled-back",
-        "a member of an apply transaction that failed has its savepoint released instead of rolled back "
-        "(ApplyTransaction._roll_back_member, ledger/attempts.py): its writes commit with its batch-mates' "
-        "while it is recorded as failed",
-        (("ledger/attempts.py",
-          "            conn.execute(f\"ROLLBACK TO SAVEPOINT {self._SAVEPOINT}\")\n",
-          ""),),
+        "a member of a set-based apply transaction that failed is recorded as failed and the transaction "
+        "goes on to its COMMIT (EventProcessor._apply_together, workers/processor.py): its writes commit "
+        "with its batch-mates'",
+        (("workers/processor.py",
+          "                        raise _MemberFailed(member, classify(exc)) from exc  # classified where caught\n",
+          "                        lost[claim.event_id] = classify(exc)\n                        continue\n"),),
         ("tests/integration/test_worker_batch.py",)),
     Sabotage(
         "object-locks-not-taken",

@@ -8,6 +8,7 @@ the operator's ledger.operator, the outbox's ledger.outbox.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from contextlib import contextmanager
@@ -121,17 +122,44 @@ class WorkerLedger:
         the body (a member's error is raised inside it, so only what the caller lets through)
         rolls the whole transaction back; so does a failed COMMIT, whose error is raised.
         """
-        with self._pool.get().connection() as conn, _unprepared(conn):
+        with self._transaction(claims, prepared=False) as (conn, pipeline):
+            yield ApplyTransaction(conn, pipeline)
+
+    @contextmanager
+    def applying_together(self, claims: Sequence[Claim]) -> Iterator["SetApplyTransaction"]:
+        """The set-based apply transaction for the claims of an attempt: one fence for all of them
+        (``SetApplyTransaction.held``), each applied in turn with no savepoint of its own, one finish
+        for every member applied and one COMMIT when the body returns. Its statements are prepared.
+
+        It has no way to fail one member alone: any error (a member's, the finish's, the COMMIT's) rolls
+        the whole transaction back and is raised; the caller records a member's failure and applies the
+        others again, or applies them all one savepoint each (``applying``). The connection is closed then, not put
+        back: a pipeline aborted part-way leaves psycopg's cache of prepared statements disagreeing with
+        the server's (see ``_unprepared``), and a new connection costs less than that doubt."""
+        with self._transaction(claims, prepared=True) as (conn, pipeline):
+            tx = SetApplyTransaction(conn, pipeline, claims)
+            yield tx
+            tx.finish()
+
+    @contextmanager
+    def _transaction(self, claims: Iterable[Claim], *,
+                     prepared: bool) -> Iterator[tuple[psycopg.Connection, psycopg.Pipeline]]:
+        """BEGIN, the claims' liveness keys held (liveness_hold_for_transaction), the body, COMMIT; rolled back
+        on any exception, raised. ``prepared``: psycopg prepares statements as it does by default, and the
+        connection is closed after a failure (see ``applying_together``); else nothing is prepared."""
+        with self._pool.get().connection() as conn, (contextlib.nullcontext() if prepared else _unprepared(conn)):
             try:
                 with conn.pipeline() as pipeline:
                     conn.execute("BEGIN")
                     keys = sorted({claim.liveness_key for claim in claims} - {None})
                     if keys:
                         conn.execute(SQL.liveness_hold_for_transaction, {"keys": keys})
-                    yield ApplyTransaction(conn, pipeline)
+                    yield conn, pipeline
                     conn.execute("COMMIT")
             except BaseException:
                 _rollback_quietly(conn)
+                if prepared:
+                    conn.close()
                 raise
 
     def fail(self, claim: Claim, failure: FailureRecord) -> None:
@@ -280,3 +308,50 @@ class ApplyTransaction:
             self._let_go(self._SAVEPOINT)
         except psycopg.Error as lost:
             raise BatchLost(f"the batch's transaction was lost: {type(lost).__name__}") from lost
+
+
+class SetApplyTransaction(ApplyTransaction):
+    """The open set-based apply transaction (``WorkerLedger.applying_together``).
+
+    The fence runs once, for every claim, as it opens: ``held`` are the ids whose lease is
+    still the attempt's, their rows locked to COMMIT; a claim not held was taken over and
+    must not be applied. Members are then applied one after another on the same connection,
+    with no savepoint, each ending with one wait for its statements' answers, so an error is
+    known to be the member's it came from; it fails the whole transaction all the same. Session settings a member's handler changed with SET LOCAL are reset
+    before the next member, as in ``ApplyTransaction.member``. The finish of every member
+    applied is one statement, before COMMIT.
+    """
+
+    def __init__(self, conn: psycopg.Connection, pipeline: psycopg.Pipeline, claims: Sequence[Claim]):
+        super().__init__(conn, pipeline)
+        rows = conn.execute(SQL.events_lock_if_leases_held, {
+            "ids": [claim.event_id for claim in claims],
+            "lease_owners": [claim.lease_owner for claim in claims]}).fetchall()
+        self.held: frozenset[str] = frozenset(row[0] for row in rows)
+        self._applied: list[Claim] = []
+
+    @contextmanager
+    def member(self, claim: Claim) -> Iterator[psycopg.Connection]:
+        """Apply one held claim: its writes join the transaction, its finish is the batch's."""
+        if claim.event_id not in self.held:
+            raise LeaseLost()
+        if self._settings_changed:
+            self._conn.execute("RESET ALL")
+        yield self._conn
+        self._pipeline.sync()  # the member's one wait: an error now is this member's, not the next one's
+        self._settings_changed = True
+        self._applied.append(claim)
+
+    @property
+    def broken(self) -> bool:
+        """The connection is gone: whatever failed is the transaction's, no one member's."""
+        return self._conn.broken
+
+    def finish(self) -> None:
+        """processing -> processed for every member applied (events_finish_if_leases_held); LL001 aborts
+        the transaction if any of them no longer holds its lease."""
+        if self._applied:
+            self._conn.execute(SQL.events_finish_if_leases_held, {
+                "ids": [claim.event_id for claim in self._applied],
+                "lease_owners": [claim.lease_owner for claim in self._applied],
+                "attempts": [claim.attempt for claim in self._applied]})

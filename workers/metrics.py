@@ -32,6 +32,9 @@ RESCUE_DELAY = Histogram("worker_rescue_delay_seconds",
                          buckets=(0.25, 0.5, 1, 2, 3, 5, 8, 12, 15, 20, 30, 60, 120))
 LOCK_DEFERRALS = Counter("worker_lock_deferrals_total",
                          "Events applied in a second transaction because another held one of their objects")
+APPLY_FALLBACKS = Counter("worker_apply_fallbacks_total",
+                          "Batches whose set-based apply failed and were applied again one savepoint per event",
+                          ["reason"])
 REDRIVES = Counter("sweep_redrives_total", "Wake-ups re-sent by the recovery sweep")
 OUTBOX_SENT = Counter("outbox_sent_total", "Effects delivered", ["effect"])
 OUTBOX_RETRIES = Counter("outbox_retries_total", "Effect deliveries that failed recoverably and were rescheduled",

@@ -173,7 +173,74 @@ class EventProcessor(LeasedWork):
         """One transaction: lock the members' objects (``wait``: all of the round's at once, in order;
         else each member's just before it, what is free), apply each member that holds its keys, COMMIT.
         Records each applied member's result in ``results``; returns the members left for a
-        transaction that waits, and those not reached before BATCH_HOLD_S ran out (for the next)."""
+        transaction that waits, and those not reached before BATCH_HOLD_S ran out (for the next).
+
+        A round that does not wait is first tried set-based (``_apply_together``); only when that fails
+        is it applied again one savepoint per member, where a member at fault fails alone."""
+        if not wait:
+            together = self._apply_together(members, results)
+            if together is not None:
+                return together
+        return self._apply_one_by_one(members, results, wait=wait)
+
+    def _apply_together(self, members: list["_Member"], results: dict) -> tuple[list["_Member"], list["_Member"]] | None:
+        """The round as one set-based transaction (WorkerLedger.applying_together): one fence and one
+        finish for the batch, no savepoint per member; keys taken just before each member and BATCH_HOLD_S
+        as in ``_apply_one_by_one``.
+
+        A member that fails takes the transaction with it, but the failure is known to be its own: it is
+        recorded as that member's (its handlers ran once, as in a savepoint of its own) and the others are
+        applied again, together. Past the task's soft time limit nothing is applied again: every member
+        gets the time limit's failure. A failure that is no member's (the finish, the COMMIT, a broken
+        connection) returns None: nothing of it committed, and the caller applies the members one by one."""
+        applied: list[tuple[Claim, ApplyContext]] = []
+        deferred: list[_Member] = []
+        not_reached: list[_Member] = []
+        lost: dict[str, LeaseLost] = {}
+        try:
+            with self.ledger.applying_together([member.claim for member in members]) as tx:
+                opened = time.monotonic()
+                for n, member in enumerate(members):
+                    claim = member.claim
+                    if claim.event_id not in tx.held:
+                        lost[claim.event_id] = LeaseLost()
+                        continue
+                    if applied and time.monotonic() - opened > BATCH_HOLD_S:
+                        not_reached = members[n:]
+                        break
+                    if member.keys and not member.keys <= tx.try_lock(member.keys):
+                        deferred.append(member)
+                        continue
+                    try:
+                        with tx.member(claim) as conn:
+                            applied.append((claim, self._run_handlers(conn, claim, member.event)))
+                    except Exception as exc:
+                        if tx.broken:
+                            raise
+                        raise _MemberFailed(member, classify(exc)) from exc  # classified where caught
+        except _MemberFailed as failed:
+            metrics.APPLY_FALLBACKS.labels(failed.failure.reason).inc()
+            if failed.failure.reason == "time_limit":
+                for member in members:
+                    results.setdefault(member.claim.event_id, dataclasses.replace(
+                        failed.failure, message="the batch reached its time limit before this event was committed"))
+                return [], []
+            results[failed.member.claim.event_id] = failed.failure
+            return self._apply_round([member for member in members if member is not failed.member], results,
+                                     wait=False)
+        except Exception as exc:  # the transaction's own: the members go again, one savepoint each
+            metrics.APPLY_FALLBACKS.labels(classify(exc).reason).inc()
+            return None
+        results.update(lost)
+        for claim, context in applied:
+            results[claim.event_id] = None  # by the claim: a thin one's context has its twin's id
+            self._after_commit(context)
+        return deferred, not_reached
+
+    def _apply_one_by_one(self, members: list["_Member"], results: dict, *,
+                          wait: bool) -> tuple[list["_Member"], list["_Member"]]:
+        """The round with each member in a savepoint of its own (WorkerLedger.applying): a member that
+        fails or lost its lease is rolled back alone."""
         applied: list[tuple[Claim, ApplyContext]] = []
         deferred: list[_Member] = []
         attempted: list[_Member] = []
@@ -329,6 +396,15 @@ def _transaction_failure(exc: Exception, *, lone: bool) -> Failure:
     cause = exc.__cause__ if isinstance(exc, BatchLost) and exc.__cause__ is not None else exc
     failure = classify(cause)
     return failure if lone else dataclasses.replace(failure, kind=Kind.RECOVERABLE)
+
+
+class _MemberFailed(Exception):
+    """A member of a set-based apply failed (its own handlers or statements): the failure recorded as its."""
+
+    def __init__(self, member: "_Member", failure: Failure):
+        super().__init__(failure.reason)
+        self.member = member
+        self.failure = failure
 
 
 @dataclass(frozen=True)

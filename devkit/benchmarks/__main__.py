@@ -125,10 +125,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="steady concurrency levels (default 1,8,32)")
     parser.add_argument("--steady-events", type=int,
                         help="steady: events per level, plus 5%% redeliveries (default 6000; --quick 600)")
-    parser.add_argument("--payload", dest="steady_payload", choices=("snapshot", "thin", "both"), default="snapshot",
+    parser.add_argument("--payload", dest="steady_payload", choices=("snapshot", "thin", "both", "held"),
+                        default="snapshot",
                         help="steady: snapshot events (default), their thin twins (POSTed to /webhooks/stripe/thin; "
                              "the workers fetch each from a fake Stripe API process the bench starts), or both, "
-                             "taking turns per level")
+                             "taking turns per level; held: snapshot events twice per level, the second time with a "
+                             "REPEATABLE READ transaction held open on the ledger for the whole run")
     parser.add_argument("--thin-snapshot-twin", action=argparse.BooleanOptionalAction, default=None,
                         help="steady --payload thin|both: the v2 events the workers fetch name the snapshot event "
                              "of the same change (snapshot_event), as Stripe's do when it has one (default: on)")

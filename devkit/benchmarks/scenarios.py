@@ -257,6 +257,12 @@ class Bench:
         self.db.q(SQL.bench_stats_clear_snapshot)
         return int(self.db.one(COUNTERS.bench_deadlocks, {"databases": names}))
 
+    def commits(self, *databases: str) -> int:
+        """pg_stat_database.xact_commit of these databases (default: every side's) so far."""
+        names = list(databases) or [s.db.name for s in self.sides]
+        self.db.q(SQL.bench_stats_clear_snapshot)
+        return int(self.db.one(COUNTERS.bench_commits_of, {"databases": names}))
+
     def wait_backends_gone(self, application_name: str, timeout_s: float = 10.0) -> None:
         """Until the backends of ``application_name`` have exited (and published their counters)."""
         deadline = time.monotonic() + timeout_s
@@ -449,8 +455,9 @@ class Meter:
     going idle), so the caller makes the measured backends exit before ``begin`` and
     before ``finish`` (stops the workers, or ends the receiver's connections; its pool
     opens new ones); backends flush their counters when they exit. SQL-side figures
-    are per call of the ``anchor`` statement (one per processed event / delivery),
-    CPU per event counted by ``progress`` over the CPU window.
+    are per call of the ``anchor`` statement (the receiver's: one per delivery) or, with
+    no anchor, per event counted by ``progress`` (the workers'); CPU per event counted by
+    ``progress`` over the CPU window.
     """
 
     def __init__(self, bench: Bench, groups: Callable[[], dict[str, list[int]]]):
@@ -483,7 +490,7 @@ class Meter:
         self.elapsed = time.monotonic() - self.t0
         self.cpu_events = progress() - self.p0
 
-    def finish(self, anchor: str) -> dict[str, Any]:
+    def finish(self, anchor: str | None) -> dict[str, Any]:
         db = self.b.db
         statements = db.statements()
         r1 = self.b.broker_commands()
@@ -491,7 +498,8 @@ class Meter:
         xacts = db.xact_commits() - self.x0 - monitor - 1  # minus the benchmark's own reads
         redis = {k: v - self.r0.get(k, 0) for k, v in r1.items() if k != "info" and v - self.r0.get(k, 0)}
         calls = sum(s["calls"] for s in statements)
-        events = sum(s["calls"] for s in statements if s["name"] == anchor) or max(self.cpu_events, 1)
+        # None: per processed event (a set-based finish covers a whole batch in one call).
+        events = (sum(s["calls"] for s in statements if s["name"] == anchor) if anchor else 0) or max(self.cpu_events, 1)
         by_name: dict[str, float] = {}
         exec_ms: dict[str, float] = {}
         for s in statements:
@@ -644,7 +652,7 @@ def _drain_workers(b: Bench, n_events: int, workers: int, *, readme: bool) -> di
     b.wait_backends_gone("worker")
     if meter:  # the workers have exited: their counters are published
         b.results.setdefault("_meters", {}).setdefault(b.label, {})["cost_worker"] = \
-            meter.finish("event_finish_if_lease_held")
+            meter.finish(None)
     failed = b.db.one(SQL.bench_events_failed_count, {"ids": ids})
     eps = (p1 - p0) / (t1 - t0)
     run = {"workers": README_POOLS_LABEL if readme else workers, "broker": b.broker,
@@ -1073,21 +1081,25 @@ def _steady_level(b: Bench, c: int, payload: str = "snapshot", events: list[Back
             meter.begin_sql()
             stack.fleet.mark_logs()
             deadlocks0 = b.deadlocks()
+            commits0, monitor0 = b.commits(), b.db.monitor_statements
             self0 = resource.getrusage(resource.RUSAGE_SELF)
             fake0 = cpu_seconds(api.process.pid) if api is not None else 0.0
             wal0 = b.db.one(SQL.bench_wal_lsn)
+            held = _held_snapshot(b) if payload == "snapshot-held" else None
             meter.begin_cpu(processed)
             machine = MachineCpu().begin()
             r = b.wrk.run(rc.port, deliveries, c, max_duration_s=600)
             backlog = b.db.unfinished()
             resent = _wait_processed(b, rc, unique, timeout_s=max(300, len(unique) / 10))
+            if held is not None:
+                held.close()
             busy = machine.end()
             meter.end_cpu(processed)
             wal_bytes = b.db.one(SQL.bench_wal_bytes_since, {"lsn": wal0})
             fake_s = cpu_seconds(api.process.pid) - fake0 if api is not None else 0.0
             self1 = resource.getrusage(resource.RUSAGE_SELF)
             fetches = api.requests() if api is not None else None
-            cost = meter.finish("event_finish_if_lease_held")
+            cost = meter.finish(None)
             stats = _run_stats(b, ids)
             rss = ProcessWatch(stack.pids).peak_rss_mb()
             attempts_deadlocked = b.attempts_deadlocked(ids)
@@ -1097,6 +1109,8 @@ def _steady_level(b: Bench, c: int, payload: str = "snapshot", events: list[Back
             b.cleanup.remove(stop_stack)
         b.wait_backends_gone("worker")
         deadlocks = b.deadlocks() - deadlocks0
+        # The bench's own polling commits too (one per monitor statement): not the stack's.
+        commits = b.commits() - commits0 - (b.db.monitor_statements - monitor0)
     finally:
         if api is not None:
             stop_api()
@@ -1115,7 +1129,8 @@ def _steady_level(b: Bench, c: int, payload: str = "snapshot", events: list[Back
            "cpu_ms": {k: 1000 * v / n for k, v in cpu.items()}, "cpu_ms_total": 1000 * sum(cpu.values()) / n,
            "client_cpu_ms": {"wrk": 1000 * r.wrk_cpu_s / n, "bench driver": 1000 * driver_s / n},
            "wrk_cpu_pct": r.wrk_cpu_pct, "peak_rss_mb": rss, "busy": busy["busy"], "iowait": busy["iowait"],
-           "wal_kb_per_event": wal_bytes / 1024 / n, "deadlocks": deadlocks, "attempts_deadlocked": attempts_deadlocked, "log_deadlocks": log_deadlocks,
+           "wal_kb_per_event": wal_bytes / 1024 / n, "commits_per_event": commits / n,
+           "deadlocks": deadlocks, "attempts_deadlocked": attempts_deadlocked, "log_deadlocks": log_deadlocks,
            **{k: cost[k] for k in ("statements_per_event", "round_trips_per_event", "statements_by_name",
                                    "exec_ms_by_name", "redis_commands_per_event", "redis_by_command")}}
     api_note = ""
@@ -1132,13 +1147,26 @@ def _steady_level(b: Bench, c: int, payload: str = "snapshot", events: list[Back
         f"end-to-end {row['e2e_eps']:7.1f} events/s ({stats['processed']} in {e2e_s:.1f}s, backlog at the last "
         f"ack {backlog}) | CPU {row['cpu_ms_total']:.2f} ms/event "
         f"({', '.join(f'{k} {v:.2f}' for k, v in row['cpu_ms'].items())}), WAL {row['wal_kb_per_event']:.1f} KB/event, "
+        f"per event {row['statements_per_event']:.2f} statements, {row['round_trips_per_event']:.2f} round trips, "
+        f"{row['commits_per_event']:.2f} commits, {row['redis_commands_per_event']:.2f} broker commands, "
         f"machine {100 * row['busy']:.0f}% busy{api_note} | "
         f"deadlocks {deadlocks} (attempts {attempts_deadlocked}) | errors {row['errors']}")
     b.clear()
     return row
 
 
-STEADY_PAYLOADS = {"snapshot": ("snapshot",), "thin": ("thin",), "both": ("snapshot", "thin")}
+# "held": each level twice, the second with a report's transaction open on the ledger the whole run.
+STEADY_PAYLOADS = {"snapshot": ("snapshot",), "thin": ("thin",), "both": ("snapshot", "thin"),
+                   "held": ("snapshot", "snapshot-held")}
+
+
+def _held_snapshot(b: Bench) -> psycopg.Connection:
+    """A report holding its snapshot: a REPEATABLE READ transaction on the ledger, left open, so that vacuum
+    keeps every row version the run makes dead and the claims and the sweep must step over them."""
+    conn = psycopg.connect(b.db.url)
+    conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    conn.execute("SELECT count(*) FROM ledger.events").fetchone()
+    return conn
 
 
 def _peer_level(b: Bench, c: int, events: list[BacklogEvent], warm_events: list[BacklogEvent]) -> dict[str, Any]:
@@ -1175,6 +1203,9 @@ def _peer_level(b: Bench, c: int, events: list[BacklogEvent], warm_events: list[
             expected = {json.loads(e.body)["data"]["object"]["id"] for e in events}
             tables = sorted(set(peer.TABLES.values()))
             deadlocks0 = b.deadlocks(database.name)
+            commits0 = b.commits(database.name)
+            b.db.reset_statements()
+            wal0 = b.db.one(SQL.bench_wal_lsn)
             pg0, node0 = b.pg.cpu_s(), engine.cpu_s()
             machine = MachineCpu().begin()
             r = b.wrk.run(engine.port, deliveries, c, max_duration_s=600)
@@ -1188,6 +1219,8 @@ def _peer_level(b: Bench, c: int, events: list[BacklogEvent], warm_events: list[
             last_write = database.last_write(tables)
             busy = machine.end()
             node_s, pg_s = engine.cpu_s() - node0, b.pg.cpu_s() - pg0
+            wal_bytes = b.db.one(SQL.bench_wal_bytes_since, {"lsn": wal0})
+            statements = int(b.db.one(COUNTERS.bench_statement_calls_of, {"databases": [database.name]}))
             rows = database.rows(tables)
             requests = api.control.requests
             handler_errors = len(engine.errors()) - errors0
@@ -1198,6 +1231,7 @@ def _peer_level(b: Bench, c: int, events: list[BacklogEvent], warm_events: list[
         stop_api()
         b.cleanup.remove(stop_api)
     deadlocks = b.deadlocks(database.name) - deadlocks0
+    commits = b.commits(database.name) - commits0  # its backends exited with the engine: published
     database.drop()
     end = max(r.started_at + r.duration_s, last_write or 0.0)
     e2e_s = end - r.started_at
@@ -1209,11 +1243,16 @@ def _peer_level(b: Bench, c: int, events: list[BacklogEvent], warm_events: list[
            "errors": r.errors + handler_errors + len(missing), "handler_errors": handler_errors,
            "stripe_api_requests": len(requests), "deadlocks": deadlocks,
            "busy": busy["busy"], "iowait": busy["iowait"],
+           # Counted over its database alone (the checks above read it too: a few statements in all).
+           "statements_per_event": statements / n, "commits_per_event": commits / n,
+           "wal_kb_per_event": wal_bytes / 1024 / n, "redis_commands_per_event": 0.0,
            "cpu_ms": {"sync engine (node)": 1000 * node_s / n, "Postgres": 1000 * pg_s / n},
            "cpu_ms_total": 1000 * (node_s + pg_s) / n, "client_cpu_ms": {"wrk": 1000 * r.wrk_cpu_s / n}}
     log(f"  steady [sync engine {peer.VERSION}] c={c:<3} ack {r.rps:7.1f} req/s p50 {r.p50_ms:6.1f} ms p99 "
         f"{r.p99_ms:7.1f} ms | acknowledged and applied {row['e2e_eps']:7.1f} events/s ({n} in {e2e_s:.1f}s; "
-        f"objects missing {len(missing)}) | CPU {row['cpu_ms_total']:.2f} ms/event, machine "
+        f"objects missing {len(missing)}) | CPU {row['cpu_ms_total']:.2f} ms/event, per event "
+        f"{row['statements_per_event']:.2f} statements, {row['commits_per_event']:.2f} commits, WAL "
+        f"{row['wal_kb_per_event']:.1f} KB, machine "
         f"{100 * busy['busy']:.0f}% busy | Stripe API calls {len(requests)} | deadlocks {deadlocks} | "
         f"errors {row['errors']}")
     return row
@@ -1464,7 +1503,7 @@ def cost(b: Bench) -> dict[str, Any]:
             meter.begin_cpu(done)
             _wait_drained(b, n, timeout_s=600)
             meter.end_cpu(done)
-        meters["cost_worker"] = meter.finish("event_finish_if_lease_held")
+        meters["cost_worker"] = meter.finish(None)
     b.results.setdefault("_meters", {})["empty"] = meters
     b.clear()
     b.finish()

@@ -132,6 +132,50 @@ WITH finished AS (
 )
 SELECT coalesce((SELECT id FROM finished), ledger.lease_not_held(%(id)s)) AS event_id
 
+-- name: events_lock_if_leases_held
+-- Worker, the set-based apply transaction's fence (ApplyTransaction.fence): for a
+-- batch at once what event_lock_if_lease_held is for one event. Locks the rows
+-- whose lease (id, lease_owner) is still the attempt's, in id order (two batches'
+-- fences never lock in crossing orders), NO KEY UPDATE as there, and returns
+-- their ids: an id not returned was taken over, and the caller applies nothing of it.
+-- Held to COMMIT, so no one re-claims a member while the batch applies.
+SELECT e.id
+  FROM ledger.events e
+  JOIN unnest(%(ids)s::text[], %(lease_owners)s::text[]) AS m(id, lease_owner)
+    ON e.id = m.id AND e.lease_owner = m.lease_owner
+ WHERE e.status = 'processing'
+ ORDER BY e.id
+   FOR NO KEY UPDATE OF e
+
+-- name: events_finish_if_leases_held
+-- Worker, last statement of the set-based apply transaction: processing -> processed
+-- for every member it applied, each attempt closed, in one statement: what
+-- event_finish_if_lease_held is for one event. Every member must still hold its
+-- lease (the fence locked the rows, so only a defect can make one not): if any does
+-- not, LL001 (ledger.lease_not_held) aborts the transaction and the COMMIT behind
+-- it never runs; the caller rolls back and applies the batch member by member.
+WITH members AS (
+    SELECT * FROM unnest(%(ids)s::text[], %(lease_owners)s::text[], %(attempts)s::int[])
+                  AS m(id, lease_owner, attempt)
+), finished AS (
+    UPDATE ledger.events e
+       SET status = 'processed', processed_at = now(), lease_owner = NULL,
+           lease_expires_at = NULL, lease_liveness_key = NULL, next_attempt_at = NULL, failure_reason = NULL,
+           last_error = NULL, updated_at = now()
+      FROM members m
+     WHERE e.id = m.id AND e.status = 'processing' AND e.lease_owner = m.lease_owner
+ RETURNING e.id
+), closed AS (
+    UPDATE ledger.attempts a
+       SET outcome = 'processed', finished_at = now()
+      FROM members m
+     WHERE a.event_id = m.id AND a.attempt = m.attempt AND a.event_id IN (SELECT id FROM finished)
+)
+SELECT CASE WHEN (SELECT count(*) FROM finished) = cardinality(%(ids)s::text[])
+            THEN (SELECT count(*) FROM finished)
+            ELSE ledger.lease_not_held((SELECT min(id) FROM members WHERE id NOT IN (SELECT id FROM finished)))::bigint
+       END AS finished
+
 -- name: event_fail_if_lease_held
 -- Worker, after the apply transaction rolled back: processing ->
 -- failed_recoverable (with next_attempt_at) or failed_permanent (with reason),

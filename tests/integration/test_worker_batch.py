@@ -480,8 +480,11 @@ def test_a_batch_costs_one_claim_and_one_commit_and_one_wait_per_event(batch_kit
     waits: list[int] = []
     real_execute, real_sync = psycopg.Connection.execute, psycopg.Pipeline.sync
 
+    texts: list[str] = []
+
     def execute(self, query, *args, **kwargs):
         sent.append(" ".join(str(query).split()[:2]))
+        texts.append(str(query))
         return real_execute(self, query, *args, **kwargs)
 
     def sync(self):
@@ -505,6 +508,11 @@ def test_a_batch_costs_one_claim_and_one_commit_and_one_wait_per_event(batch_kit
     assert len(autocommitted) == 1  # the claim
     assert sent.count("COMMIT") == 1
     assert len(waits) == 20  # one per member (the COMMIT's is the pipeline's exit)
+    # Set-based: one fence and one finish for the batch, no savepoint per member.
+    fences = [t for t in texts if "lease_owner" in t and "FOR NO KEY UPDATE" in t]
+    finishes = [t for t in texts if "SET status = 'processed'" in t]
+    assert len(fences) == 1 and len(finishes) == 1, texts
+    assert not [t for t in texts if "SAVEPOINT" in t], texts
 
 
 def test_a_member_the_server_refused_after_statements_were_prepared_leaves_its_later_mates_working(batch_kit):
@@ -543,16 +551,32 @@ def test_a_deadlock_victim_leaves_its_later_batch_mates_working_once_statements_
     assert [reason for reason, _ in failed.values()] == ["db_conflict"], failed
 
 
-def test_a_batch_runs_without_server_side_prepared_statements_and_gives_its_connection_back_as_it_was(batch_kit):
+def test_a_batch_runs_prepared_set_based_and_unprepared_one_by_one_and_gives_its_connection_back_as_it_was(
+        batch_kit, monkeypatch):
     """After one member's deadlock, psycopg's prepared statements in a pipelined batch disagreed with the
-    server's and every later member failed InvalidSqlStatementName (ops/bench steady, docs/benchmarks.md);
-    the test above does not reproduce that race on this machine, so this one holds the setting in place."""
+    server's and every later member failed InvalidSqlStatementName (ops/bench steady, docs/benchmarks.md).
+    The set-based apply runs prepared: any error there closes its connection, so no statement runs on it
+    after the pipeline aborted. The one-by-one apply, which goes on after a member's rollback, runs
+    unprepared. The tests above do not reproduce that race on this machine, so this one holds both in place."""
     kit = batch_kit
     seen = []
     processor = make_processor(kit)
     processor.registry.register("batch.threshold", lambda ctx: seen.append(ctx.conn.prepare_threshold))
     ids = record(kit, "batch.threshold", 2)
     assert processor.process_batch(ids) == [Outcome.PROCESSED] * 2
-    assert seen == [None, None]
+    assert seen == [5, 5]  # psycopg's default: set-based
+
+    import ledger.attempts
+    real = ledger.attempts.SetApplyTransaction.finish
+
+    def finish_refused(tx):
+        real(tx)
+        tx._conn.execute("SELECT 1/0")  # a failure of the transaction, no member's
+
+    monkeypatch.setattr(ledger.attempts.SetApplyTransaction, "finish", finish_refused)
+    seen.clear()
+    more = record(kit, "batch.threshold", 2)
+    assert processor.process_batch(more) == [Outcome.PROCESSED] * 2
+    assert seen == [5, 5, None, None]  # the set-based try, then one by one
     with processor.ledger._pool.get().connection() as conn:
         assert conn.prepare_threshold == 5  # psycopg's default, for everything else on the connection

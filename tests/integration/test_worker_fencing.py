@@ -104,6 +104,27 @@ def test_the_processor_reports_lease_lost_and_the_new_owner_finishes_with_one_ef
     assert [a["outcome"] for a in attempts] == ["lease_expired", "processed"]
 
 
+def test_the_set_based_fence_leaves_out_a_taken_over_claim_and_its_finish_refuses_one(kit):
+    evt_id = record_effect_event(kit)
+    ledger_a, claim_a, ledger_b, claim_b = take_over(kit, evt_id)
+
+    with ledger_a.applying_together([claim_a]) as tx:
+        assert claim_a.event_id not in tx.held
+        with pytest.raises(LeaseLost):
+            with tx.member(claim_a):
+                pass
+    # A member applied past the fence (a defect) is refused by the finish: LL001, nothing commits.
+    with pytest.raises(psycopg.Error) as refused:
+        with ledger_a.applying_together([claim_a]) as tx:
+            tx.held = frozenset({claim_a.event_id})
+            with tx.member(claim_a) as conn:
+                conn.execute(EFFECT_SQL, (evt_id,))
+    assert refused.value.sqlstate == LEASE_NOT_HELD
+    assert kit.effects(evt_id) == 0
+    row = kit.event(evt_id)
+    assert row["status"] == "processing" and row["lease_owner"] == claim_b.lease_owner
+
+
 def test_marking_a_lost_lease_closes_an_attempt_still_running_as_lease_lost(kit):
     evt_id = record_effect_event(kit)
     ledger_a, claim_a, ledger_b, claim_b = take_over(kit, evt_id)
