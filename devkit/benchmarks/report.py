@@ -290,6 +290,7 @@ def steady_row(run: dict[str, Any], base: dict[str, Any] | None = None, *, targe
         row["machine busy %"] = f"{100 * run['busy']:.0f}"
     row.update({g: f"{group_cpu(run, g):.2f}" for g in STEADY_CPU_GROUPS})
     row["total"] = total
+    row.update(_per_event_counts(run))
     row["client: wrk"] = f"{run['client_cpu_ms']['wrk']:.2f}"
     if "stripe_api" in run:  # a thin level: the workers' fetches, and the fake that answered them
         row["Stripe API requests/event"] = f"{run['stripe_api']['per_event']:.2f}"
@@ -321,6 +322,10 @@ TARGETS_SOURCE = "issue 19"
 PEER_E2E_RATIO_TARGET = 1.0     # end-to-end events/s against the sync engine's...
 PEER_E2E_LEVELS = (8, 32)       # ...at these concurrencies
 PEER_P99_LEVEL = 32             # ack p99 ≤ the sync engine's at this concurrency
+# Issue 29: per processed event, at most these (broker operations: Redis commands or AMQP frames).
+EVENT_STATEMENTS_TARGET, EVENT_COMMITS_TARGET, EVENT_BROKER_OPS_TARGET = 3, 1.2, 1.5
+# Issue 29: a lone request's ack p99 within this factor of the sync engine's.
+LONE_P99_RATIO_TARGET = 1.2
 DRAIN_BROKER_RATIO_TARGET = 0.9  # drain on Redis against drain on RabbitMQ...
 DRAIN_BUSY_TARGET = 0.9          # ...with the machine this busy while Redis drains
 RECEIVER_COST_TARGET = 1.3       # receiver CPU per request against the minimal WSGI app's
@@ -352,10 +357,20 @@ def steady_side_by_side_rows(result: dict[str, Any]) -> list[dict[str, str]]:
         row(f"this project on {name}, deadlocks detected", {c: str(r.get("deadlocks", "-")) for c, r in runs.items()})
         row(f"this project on {name}, CPU ms per event (all processes)",
             {c: f"{r['cpu_ms_total']:.2f}" for c, r in runs.items()})
+        row(f"this project on {name}, statements / commits / broker commands per event",
+            {c: _counts_cell(r) for c, r in runs.items() if "commits_per_event" in r})
     if peer_runs:
         row("sync engine, CPU ms per event (node and Postgres)",
             {c: f"{r['cpu_ms_total']:.2f}" for c, r in peer_runs.items()})
+        row("sync engine, statements / commits / broker commands per event",
+            {c: _counts_cell(r) for c, r in peer_runs.items() if "commits_per_event" in r})
     return rows
+
+
+def _counts_cell(run: dict[str, Any]) -> str:
+    broker = (f"{run.get('redis_commands_per_event', 0.0):.1f}" if run.get("broker", "redis") == "redis"
+              else "not counted")
+    return f"{run['statements_per_event']:.1f} / {run['commits_per_event']:.2f} / {broker}"
 
 
 def steady_side_by_side(result: dict[str, Any], *, markdown: bool = False) -> str:
@@ -491,6 +506,16 @@ def thin_fetch_lines(result: dict[str, Any]) -> list[str]:
     return out
 
 
+def _per_event_counts(run: dict[str, Any]) -> dict[str, str]:
+    """What a level paid per event beside CPU (a run recorded before these were counted has none)."""
+    counts = {"statements/event": "statements_per_event", "round trips/event": "round_trips_per_event",
+              "commits/event": "commits_per_event", "WAL KB/event": "wal_kb_per_event",
+              "broker commands/event": "redis_commands_per_event"}
+    if run.get("broker", "redis") != "redis":
+        del counts["broker commands/event"]  # RabbitMQ keeps no count of its operations
+    return {label: f"{run[key]:.2f}" for label, key in counts.items() if key in run}
+
+
 def steady_peer_rows(result: dict[str, Any]) -> list[dict[str, str]]:
     """The sync engine's levels: acknowledged (and so applied) deliveries, CPU ms per event."""
     rows = []
@@ -501,6 +526,7 @@ def steady_peer_rows(result: dict[str, Any]) -> list[dict[str, str]]:
                      "Stripe API calls": str(r["stripe_api_requests"]), "deadlocks": str(r["deadlocks"]),
                      "machine busy %": f"{100 * r['busy']:.0f}",
                      **{k: f"{v:.2f}" for k, v in r["cpu_ms"].items()}, "total": f"{r['cpu_ms_total']:.2f}",
+                     **_per_event_counts(r),
                      "client: wrk": f"{r['client_cpu_ms']['wrk']:.2f}", "errors": str(r["errors"])})
     return rows
 
@@ -887,6 +913,28 @@ def issue_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         ours, theirs = runs[PEER_P99_LEVEL]["ack_p99_ms"], peer_runs[PEER_P99_LEVEL]["ack_p99_ms"]
         add(f"p99_vs_peer_{broker}", target, f"{ours:.1f} vs {theirs:.1f} ms", ours <= theirs)
 
+    for broker in BROKER_LABELS:
+        name = BROKER_LABELS[broker]
+        runs = _by_level(steady_sides(steady, broker)[0]) if steady and broker in on else {}
+        levels = [c for c in PEER_E2E_LEVELS if c in runs and c in peer_runs]
+        target = f"CPU per processed event (all processes) ≤ 1.0× the sync engine's, at 8 and 32 connections, on {name}"
+        add(f"cpu_vs_peer_{broker}", target,
+            ", ".join(f"c={c}: {runs[c]['cpu_ms_total']:.2f} vs {peer_runs[c]['cpu_ms_total']:.2f} ms = "
+                      f"{runs[c]['cpu_ms_total'] / peer_runs[c]['cpu_ms_total']:.2f}×" for c in levels)
+            or "not measured: run steady with the peer",
+            all(runs[c]["cpu_ms_total"] <= peer_runs[c]["cpu_ms_total"] for c in levels) if levels else None)
+        counted = [c for c in PEER_E2E_LEVELS if c in runs and "commits_per_event" in runs[c]]
+        add(f"per_event_counts_{broker}",
+            f"per event ≤ {EVENT_STATEMENTS_TARGET} Postgres statements, ≤ {EVENT_COMMITS_TARGET} commits, "
+            f"≤ {EVENT_BROKER_OPS_TARGET} broker operations, at 8 and 32 connections, on {name}",
+            ", ".join(f"c={c}: {_counts_cell(runs[c])}" for c in counted) or "not measured: run steady",
+            _counts_met([runs[c] for c in counted]) if counted else None)
+        if 1 in runs and 1 in peer_runs:
+            ours, theirs = runs[1]["ack_p99_ms"], peer_runs[1]["ack_p99_ms"]
+            add(f"p99_c1_vs_peer_{broker}", f"ack p99 at 1 connection ≤ {LONE_P99_RATIO_TARGET}× the sync engine's, "
+                f"on {name}", f"{ours:.1f} vs {theirs:.1f} ms = {ours / theirs:.2f}×",
+                ours <= LONE_P99_RATIO_TARGET * theirs)
+
     cost = results.get("receiver-cost")
     target = f"receiver CPU per request ≤ {RECEIVER_COST_TARGET}× a minimal WSGI app's doing the same I/O"
     if not cost:
@@ -895,6 +943,15 @@ def issue_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         add("receiver_cpu", target, f"{cost['receiver']['cpu_ms_per_request']:.3f} vs "
             f"{cost['minimal']['cpu_ms_per_request']:.3f} ms = {cost['ratio']:.2f}×", receiver_cost_met(cost))
     return out
+
+
+def _counts_met(runs: list[dict[str, Any]]) -> bool | None:
+    """The per-event counts target over these runs; None when only the uncounted broker operations could meet it."""
+    sql_met = all(r["statements_per_event"] <= EVENT_STATEMENTS_TARGET and r["commits_per_event"] <= EVENT_COMMITS_TARGET
+                  for r in runs)
+    if any(r.get("broker", "redis") != "redis" for r in runs):
+        return None if sql_met else False
+    return sql_met and all(r["redis_commands_per_event"] <= EVENT_BROKER_OPS_TARGET for r in runs)
 
 
 def _verdict(met: bool | None) -> str:
