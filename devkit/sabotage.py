@@ -71,6 +71,15 @@ SABOTAGES = (
           "     WHERE e.id = m.id AND e.status = 'processing'")),
         ("tests/integration/test_worker_fencing.py", "tests/integration/test_worker_batch.py")),
     Sabotage(
+        "group-wakeup-answers-before-its-publish",
+        "the receiver's grouped wake-ups wake the requests of a group before their message is published "
+        "(Grouping._lead, workers/grouping.py): a request may answer enqueued before the broker took its wake-up",
+        (("workers/grouping.py",
+          "        try:\n            results = self._run([slot.item for slot in group])\n",
+          "        for slot in group:\n            slot.ready.set()\n"
+          "        try:\n            results = self._run([slot.item for slot in group])\n"),),
+        ("tests/unit/test_grouping.py", "tests/unit/test_wakeup.py")),
+    Sabotage(
         "non-idempotent-upsert",
         "subscription upsert overwrites whatever the event: the newer-than guard dropped from "
         "subscription_apply_event (workers/billing/billing.sql)",

@@ -102,7 +102,7 @@ def _receive(secrets_of: str, parse):
         return _answer(503, "unavailable", started, event_id=event.id,
                        error="ledger unavailable, retry later")
 
-    enqueued = ext.waker.wake(event.id) if delivery.needs_wakeup else False
+    enqueued = ext.waker.wake_together(event.id) if delivery.needs_wakeup else False
     if not enqueued and delivery.needs_wakeup:
         metrics.WAKEUPS_LOST.inc()
     outcome = "received" if delivery.inserted else "duplicate"

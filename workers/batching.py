@@ -193,7 +193,14 @@ class _Batches:
                  extra={"task": self._task.name, "wakeups": len(overdue), "held_s": MAX_HOLD_S})
 
     def _take(self) -> list[_Held]:
-        batch, self._held = self._held[:self._batch_max], self._held[self._batch_max:]
+        """The first held wake-ups up to ``batch_max`` events (a message may carry several), at least one."""
+        taken, events = 0, 0
+        for held in self._held:
+            size = len(event_ids(held.arg))
+            if taken and events + size > self._batch_max:
+                break
+            taken, events = taken + 1, events + size
+        batch, self._held = self._held[:taken], self._held[taken:]
         return batch
 
     def _send(self, batch: list[_Held]) -> None:
@@ -247,6 +254,11 @@ class _Batches:
 
     def _events_enabled(self) -> bool:
         return self._eventer is not None and self._eventer.enabled
+
+
+def event_ids(arg: Any) -> list:
+    """The events a wake-up's argument names: a list of them (a group's message), or one."""
+    return arg if isinstance(arg, list) else [arg]
 
 
 def failure_of(exc_info) -> BaseException:

@@ -31,13 +31,15 @@ import os
 import threading
 import uuid
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from celery import Celery
 from celery.utils.saferepr import saferepr
 from kombu import Connection, Producer
 from kombu.utils.json import dumps, loads
 
-from workers.app import DISPATCH_EFFECT_TASK, PROCESS_EVENT_TASK, is_amqp
+from workers.app import DISPATCH_EFFECT_TASK, EVENT_BATCH_MAX, PROCESS_EVENT_TASK, is_amqp
+from workers.grouping import Grouping
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +122,25 @@ class Waker:
         self._lock = threading.Lock()  # for the idle list only, never held while publishing
         self._idle: list[_Publisher] = []
         self._pid = os.getpid()
+        self._grouping: Grouping[str, bool] = Grouping(lambda ids: [self.wake_group(ids)] * len(ids),
+                                                       max_group=EVENT_BATCH_MAX)
 
     def wake(self, event_id: str, *, countdown_s: float | None = None) -> bool:
         """Publish one wake-up for an event; True if the broker took it."""
         return self._send(PROCESS_EVENT_TASK, event_id, countdown_s, {"event_id": event_id})
+
+    def wake_together(self, event_id: str) -> bool:
+        """Wake a worker for an event, in one message with the events that concurrent callers of this
+        process wake meanwhile (workers/grouping.py): a lone caller's goes at once, as ``wake``'s; one that
+        arrives while a wake-up is being published goes in the next, with every other that arrived by
+        then, up to EVENT_BATCH_MAX. True once the broker took the message that holds it."""
+        return self._grouping.submit(event_id)
+
+    def wake_group(self, event_ids: Sequence[str]) -> bool:
+        """One wake-up for several events: the id alone for one (the message ``wake`` sends), else the list
+        of ids (the worker runs it as that many wake-ups: workers/tasks.py); True if the broker took it."""
+        arg = event_ids[0] if len(event_ids) == 1 else list(event_ids)
+        return self._send(PROCESS_EVENT_TASK, arg, None, {"wakeups": len(event_ids)})
 
     def wake_effect(self, outbox_id: int, *, countdown_s: float | None = None) -> bool:
         """Publish one wake-up for a recorded effect; True if the broker took it."""

@@ -76,6 +76,24 @@ def test_a_backlog_drains_in_batches_and_every_event_is_applied_once(kit, broker
                for r in _records(worker, "celery.app.trace"))
 
 
+def test_a_wakeup_naming_several_events_runs_each_once(kit, broker_settings, worker_factory):
+    """A receiver's group (Waker.wake_together): one message, a list of ids; the worker runs them as that
+    many wake-ups, and an id named twice is attempted once."""
+    now = int(time.time())
+    ids = kit.record_many([event("test.effect", {"id": f"obj_group_{n}"}, created=now) for n in range(40)])
+    waker = Waker(make_celery(broker_settings))
+    assert waker.wake_group(ids[:20]) and waker.wake_group(ids[20:]) and waker.wake_group(ids[:3])
+
+    worker = worker_factory(broker_settings, concurrency=2, label="groups")
+    for evt_id in ids:
+        kit.wait_status(evt_id, "processed", timeout_s=60)
+    assert all(kit.effects(evt_id) == 1 and kit.event(evt_id)["attempts"] == 1 for evt_id in ids)
+    outcomes = wait_until(lambda: (lambda c: c if sum(c.values()) >= 43 else None)(Counter(
+        r["outcome"] for r in _records(worker, "workers.processor") if "outcome" in r)), timeout_s=30,
+        what="every wake-up's outcome to be logged")
+    assert outcomes == Counter({"processed": 40, "not_claimed": 3}), outcomes
+
+
 def test_a_lone_wakeup_to_an_idle_worker_is_not_held_back(kit, broker_settings, worker_factory):
     worker = worker_factory(broker_settings, concurrency=2, label="idle")
     waker = Waker(make_celery(broker_settings))

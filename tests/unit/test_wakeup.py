@@ -138,3 +138,44 @@ def test_a_countdown_wakeup_never_becomes_a_template(waker, fake_server):
     assert waker.wake("evt_3Now") is True
     etas = [m["headers"]["eta"] for m in _queued(fake_server)]
     assert sorted(e is None for e in etas) == [False, True, True]
+
+
+def test_concurrent_wakes_together_share_one_message_and_a_lone_one_goes_at_once(waker, fake_server, monkeypatch):
+    """While one wake-up is being published, those that arrive wait for the next message, all together;
+    none is answered before the message that holds it was taken."""
+    import threading
+    import time
+
+    import workers.wakeup
+
+    real = workers.wakeup._Publisher.publish
+    first = threading.Event()
+
+    def slow_first(self, celery, task, arg, countdown_s):
+        if not first.is_set():
+            first.set()
+            time.sleep(0.3)  # the others arrive meanwhile
+        else:
+            time.sleep(0.1)  # long enough for a follower woken too early to answer before it
+        return real(self, celery, task, arg, countdown_s)
+
+    monkeypatch.setattr(workers.wakeup._Publisher, "publish", slow_first)
+    answers = {}
+
+    def wake(evt_id):
+        answers[evt_id] = (waker.wake_together(evt_id), len(_queued(fake_server)))
+
+    lone = threading.Thread(target=wake, args=("evt_lone",))
+    lone.start()
+    assert first.wait(5)
+    others = [threading.Thread(target=wake, args=(f"evt_{n}",)) for n in range(4)]
+    for t in others:
+        t.start()
+    for t in [lone, *others]:
+        t.join(10)
+
+    bodies = [json.loads(base64.b64decode(m["body"]))[0][0] for m in reversed(_queued(fake_server))]
+    assert bodies[0] == "evt_lone" and sorted(bodies[1]) == [f"evt_{n}" for n in range(4)], bodies
+    assert len(bodies) == 2
+    # Each answered True only once its message was in the queue.
+    assert all(ok and queued >= (1 if evt_id == "evt_lone" else 2) for evt_id, (ok, queued) in answers.items())
