@@ -8,10 +8,9 @@ the operator's ledger.operator, the outbox's ledger.outbox.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Iterable, Iterator, Sequence
@@ -147,7 +146,7 @@ class WorkerLedger:
         """BEGIN, the claims' liveness keys held (liveness_hold_for_transaction), the body, COMMIT; rolled back
         on any exception, raised. ``prepared``: psycopg prepares statements as it does by default, and the
         connection is closed after a failure (see ``applying_together``); else nothing is prepared."""
-        with self._pool.get().connection() as conn, (contextlib.nullcontext() if prepared else _unprepared(conn)):
+        with self._pool.get().connection() as conn, (nullcontext() if prepared else _unprepared(conn)):
             try:
                 with conn.pipeline() as pipeline:
                     conn.execute("BEGIN")
