@@ -132,9 +132,9 @@ class WorkerLedger:
 
         It has no way to fail one member alone: any error (a member's, the finish's, the COMMIT's) rolls
         the whole transaction back and is raised; the caller records a member's failure and applies the
-        others again, or applies them all one savepoint each (``applying``). The connection is closed then, not put
-        back: a pipeline aborted part-way leaves psycopg's cache of prepared statements disagreeing with
-        the server's (see ``_unprepared``), and a new connection costs less than that doubt."""
+        others again, or applies them all one savepoint each (``applying``). The connection is closed
+        then, not put back: a pipeline aborted part-way leaves psycopg's cache of prepared statements
+        disagreeing with the server's (see ``_unprepared``), and a new connection costs less than that doubt."""
         with self._transaction(claims, prepared=True) as (conn, pipeline):
             tx = SetApplyTransaction(conn, pipeline, claims)
             yield tx
@@ -316,9 +316,10 @@ class SetApplyTransaction(ApplyTransaction):
     still the attempt's, their rows locked to COMMIT; a claim not held was taken over and
     must not be applied. Members are then applied one after another on the same connection,
     with no savepoint, each ending with one wait for its statements' answers, so an error is
-    known to be the member's it came from; it fails the whole transaction all the same. Session settings a member's handler changed with SET LOCAL are reset
-    before the next member, as in ``ApplyTransaction.member``. The finish of every member
-    applied is one statement, before COMMIT.
+    known to be the member's it came from; it fails the whole transaction all the same.
+    Session settings a member's handler changed with SET LOCAL are reset before the next
+    member, as in ``ApplyTransaction.member``. The finish of every member applied is one
+    statement, before COMMIT.
     """
 
     def __init__(self, conn: psycopg.Connection, pipeline: psycopg.Pipeline, claims: Sequence[Claim]):

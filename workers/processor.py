@@ -161,8 +161,7 @@ class EventProcessor(LeasedWork):
                             if isinstance(result, Failure) and result.reason == "time_limit"), None)
         if out_of_time is not None:
             for member in deferred:
-                results[member.claim.event_id] = dataclasses.replace(
-                    out_of_time, message="the batch reached its time limit before this event was applied")
+                results[member.claim.event_id] = _not_applied_in_time(out_of_time)
             deferred = []
         while deferred:
             _, deferred = self._apply_round(deferred, results, wait=True)
@@ -213,6 +212,7 @@ class EventProcessor(LeasedWork):
                         continue
                     try:
                         with tx.member(claim) as conn:
+                            # By the claim: a thin one's context has its twin's id.
                             applied.append((claim, self._run_handlers(conn, claim, member.event)))
                     except Exception as exc:
                         if tx.broken:
@@ -220,21 +220,19 @@ class EventProcessor(LeasedWork):
                         raise _MemberFailed(member, classify(exc)) from exc  # classified where caught
         except _MemberFailed as failed:
             metrics.APPLY_FALLBACKS.labels(failed.failure.reason).inc()
-            if failed.failure.reason == "time_limit":
-                for member in members:
-                    results.setdefault(member.claim.event_id, dataclasses.replace(
-                        failed.failure, message="the batch reached its time limit before this event was committed"))
-                return [], []
             results[failed.member.claim.event_id] = failed.failure
+            if failed.failure.reason == "time_limit":
+                results.update(lost)
+                for member in members:
+                    results.setdefault(member.claim.event_id, _not_applied_in_time(failed.failure))
+                return [], []
             return self._apply_round([member for member in members if member is not failed.member], results,
                                      wait=False)
         except Exception as exc:  # the transaction's own: the members go again, one savepoint each
             metrics.APPLY_FALLBACKS.labels(classify(exc).reason).inc()
             return None
         results.update(lost)
-        for claim, context in applied:
-            results[claim.event_id] = None  # by the claim: a thin one's context has its twin's id
-            self._after_commit(context)
+        self._committed(applied, results)
         return deferred, not_reached
 
     def _apply_one_by_one(self, members: list["_Member"], results: dict, *,
@@ -270,18 +268,21 @@ class EventProcessor(LeasedWork):
                     results[claim.event_id] = result
                     if isinstance(result, Failure) and result.reason == "time_limit":
                         # The task's soft time limit: the members not reached yet are not attempted.
-                        out_of_time = dataclasses.replace(
-                            result, message="the batch reached its time limit before this event was applied")
+                        out_of_time = _not_applied_in_time(result)
         except Exception as exc:  # the transaction as a whole (locks, COMMIT, the connection): nothing committed
             failure = _transaction_failure(exc, lone=len(attempted) == 1)
             for member in members:
                 results.setdefault(member.claim.event_id, failure)
             return [], []
+        self._committed(applied, results)
+        # Past the time limit every member was given a result but the deferred ones: _apply_all gives them theirs.
+        return deferred, not_reached
+
+    def _committed(self, applied: list[tuple[Claim, ApplyContext]], results: dict) -> None:
+        """After a round's COMMIT: each applied member succeeded, and what its transaction committed is announced."""
         for claim, context in applied:
             results[claim.event_id] = None
             self._after_commit(context)
-        # Past the time limit every member was given a result but the deferred ones: _apply_all gives them theirs.
-        return deferred, not_reached
 
     def _apply_member(self, tx: ApplyTransaction, claim: Claim, event: Applied) -> ApplyContext | Failure | LeaseLost:
         try:
@@ -396,6 +397,11 @@ def _transaction_failure(exc: Exception, *, lone: bool) -> Failure:
     cause = exc.__cause__ if isinstance(exc, BatchLost) and exc.__cause__ is not None else exc
     failure = classify(cause)
     return failure if lone else dataclasses.replace(failure, kind=Kind.RECOVERABLE)
+
+
+def _not_applied_in_time(out_of_time: Failure) -> Failure:
+    """The failure of a member the batch did not apply before the task's soft time limit (recoverable)."""
+    return dataclasses.replace(out_of_time, message="the batch reached its time limit before this event was applied")
 
 
 class _MemberFailed(Exception):

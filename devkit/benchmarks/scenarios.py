@@ -253,15 +253,16 @@ class Bench:
     # -- deadlocks -------------------------------------------------------------------------
     def deadlocks(self, *databases: str) -> int:
         """pg_stat_database.deadlocks of these databases (default: every side's) so far."""
-        names = list(databases) or [s.db.name for s in self.sides]
-        self.db.q(SQL.bench_stats_clear_snapshot)
-        return int(self.db.one(COUNTERS.bench_deadlocks, {"databases": names}))
+        return self._database_counter(COUNTERS.bench_deadlocks, databases)
 
     def commits(self, *databases: str) -> int:
         """pg_stat_database.xact_commit of these databases (default: every side's) so far."""
+        return self._database_counter(COUNTERS.bench_commits_of, databases)
+
+    def _database_counter(self, sql: str, databases: tuple[str, ...]) -> int:
         names = list(databases) or [s.db.name for s in self.sides]
-        self.db.q(SQL.bench_stats_clear_snapshot)
-        return int(self.db.one(COUNTERS.bench_commits_of, {"databases": names}))
+        self.db.q(SQL.bench_stats_clear_snapshot)  # the monitor's own snapshot would repeat its last read
+        return int(self.db.one(sql, {"databases": names}))
 
     def wait_backends_gone(self, application_name: str, timeout_s: float = 10.0) -> None:
         """Until the backends of ``application_name`` have exited (and published their counters)."""

@@ -580,3 +580,31 @@ def test_a_batch_runs_prepared_set_based_and_unprepared_one_by_one_and_gives_its
     assert seen == [5, 5, None, None]  # the set-based try, then one by one
     with processor.ledger._pool.get().connection() as conn:
         assert conn.prepare_threshold == 5  # psycopg's default, for everything else on the connection
+
+def test_a_batch_that_reaches_its_soft_time_limit_commits_nothing_and_applies_nothing_again(batch_kit):
+    """The task's soft time limit raised inside a member's handler: no member is applied again after it (the
+    hard limit is near), the member records its own failure and every other one the batch's, all recoverable."""
+    from billiard.exceptions import SoftTimeLimitExceeded
+
+    kit = batch_kit
+    processor = make_processor(kit)
+    calls = []
+
+    def out_of_time(ctx):
+        calls.append(ctx.event_id)
+        raise SoftTimeLimitExceeded()
+
+    processor.registry.register("batch.out_of_time", out_of_time)
+    before = record(kit, "batch.txid", 2)
+    [culprit] = record(kit, "batch.out_of_time")
+    after = record(kit, "batch.txid", 2)
+
+    outcomes = processor.process_batch([*before, culprit, *after])
+
+    assert outcomes == [Outcome.FAILED_RECOVERABLE] * 5
+    assert calls == [culprit] and txids(kit) == {}
+    assert kit.event(culprit)["last_error"] == "attempt exceeded its soft time limit"
+    for evt_id in (*before, *after):
+        row = kit.event(evt_id)
+        assert (row["failure_reason"], row["last_error"]) == (
+            "time_limit", "the batch reached its time limit before this event was applied"), row
