@@ -63,6 +63,9 @@ _RECOVERABLE_SQLSTATE = {
     "55P03": "db_lock_timeout",  # lock not available
     "57014": "db_timeout",      # statement timeout / query canceled
 }
+# Reasons that mean the session itself ended (the connection lost, the backend shut down or terminated):
+# never one statement's or one event's failure, whatever was running.
+SESSION_LOST = frozenset({"db_connection", "db_shutdown"})
 # SQLSTATE classes that retrying the same event cannot fix.
 _PERMANENT_SQLSTATE = {
     "23": "constraint_violation",

@@ -42,7 +42,7 @@ from ledger import stripe_events
 from ledger.attempts import ApplyTransaction, BatchLost, Claim, FailureRecord, WorkerLedger
 from workers import metrics, thin
 from workers.attempt import LeasedWork, outcomes
-from workers.failures import Failure, Kind, classify
+from workers.failures import SESSION_LOST, Failure, Kind, classify
 from workers.handlers import ApplyContext, HandlerRegistry, object_keys
 from workers.retry import RetryPolicy
 from workers.thin import Applied, ThinFetcher
@@ -215,9 +215,11 @@ class EventProcessor(LeasedWork):
                             # By the claim: a thin one's context has its twin's id.
                             applied.append((claim, self._run_handlers(conn, claim, member.event)))
                     except Exception as exc:
-                        if tx.broken:
+                        failure = classify(exc)  # classified where caught
+                        # A terminated backend's FATAL can arrive before psycopg has seen the connection close.
+                        if tx.broken or failure.reason in SESSION_LOST:
                             raise
-                        raise _MemberFailed(member, classify(exc)) from exc  # classified where caught
+                        raise _MemberFailed(member, failure) from exc
         except _MemberFailed as failed:
             metrics.APPLY_FALLBACKS.labels(failed.failure.reason).inc()
             results[failed.member.claim.event_id] = failed.failure
