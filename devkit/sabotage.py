@@ -71,6 +71,23 @@ SABOTAGES = (
           "     WHERE e.id = m.id AND e.status = 'processing'")),
         ("tests/integration/test_worker_fencing.py", "tests/integration/test_worker_batch.py")),
     Sabotage(
+        "retention-removes-before-verifying",
+        "retention removes a month's events before reading its archive file back (Retention._store_and_remove, "
+        "ledger/retention.py): a file the store lost or cut short is no longer caught before the events go",
+        (("ledger/retention.py",
+          "        fetch_verified(self.store, manifest, tmp / f\"{month}.read-back.jsonl.gz\")\n",
+          "        self._remove(report, key, writer.fingerprints())\n"
+          "        fetch_verified(self.store, manifest, tmp / f\"{month}.read-back.jsonl.gz\")\n"),),
+        ("tests/integration/test_retention.py",)),
+    Sabotage(
+        "retention-removes-recoverable",
+        "retention's window also takes failed_recoverable events (ledger.event_past_window, "
+        "ledger/migrations/0011_retention.sql): an event still able to complete would leave the ledger",
+        (("ledger/migrations/0011_retention.sql",
+          "        OR (status = 'failed_permanent' AND updated_at",
+          "        OR (status IN ('failed_permanent', 'failed_recoverable') AND updated_at"),),
+        ("tests/integration/test_retention.py",)),
+    Sabotage(
         "group-wakeup-answers-before-its-publish",
         "the receiver's grouped wake-ups wake the requests of a group before their message is published "
         "(Grouping._lead, workers/grouping.py): a request may answer enqueued before the broker took its wake-up",

@@ -13,6 +13,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Mapping
@@ -155,6 +156,37 @@ class PrivateRedis(Process):
 
         with redis.Redis(port=self.port, socket_connect_timeout=2, socket_timeout=5) as client:
             client.flushall()
+
+
+class MotoS3(Process):
+    """An S3-compatible server of its own (moto's server mode, ``moto_server``) on a free port: the archive's
+    bucket for tests and benchmarks, spoken to over HTTP by boto3 like any S3 endpoint. ``client_env`` is what a
+    process needs to use it (AWS_ENDPOINT_URL and test credentials)."""
+
+    def __init__(self, log_path: Path, *, port: int | None = None):
+        self.port = port or free_port()
+        server = shutil.which("moto_server") or str(Path(sys.executable).with_name("moto_server"))
+        super().__init__("moto-s3", [server, "-H", "127.0.0.1", "-p", str(self.port)], os.environ, log_path)
+
+    @property
+    def client_env(self) -> dict[str, str]:
+        return {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.port}", "AWS_ACCESS_KEY_ID": "test",
+                "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def start(self, timeout_s: float = 30) -> "MotoS3":
+        super().start()
+
+        def listening() -> bool:
+            self.ensure_alive()
+            return answers(self.port)
+        wait_until(listening, timeout_s=timeout_s, what="the S3 server (moto) to listen")
+        return self
+
+    def create_bucket(self, name: str) -> None:
+        import boto3
+
+        boto3.client("s3", endpoint_url=self.client_env["AWS_ENDPOINT_URL"], aws_access_key_id="test",
+                     aws_secret_access_key="test", region_name="us-east-1").create_bucket(Bucket=name)
 
 
 class RabbitVhost:

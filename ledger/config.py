@@ -19,6 +19,27 @@ _BROKER_SCHEMES = {"redis", "rediss", "amqp", "amqps", "pyamqp", "memory"}
 ACCEPT_LIVEMODE = ("live", "test", "both")
 
 
+# Stripe retries a delivery for up to three days and its Events API lists 30 days: an event
+# removed sooner could come back as new, and catch-up could no longer tell it was seen.
+MINIMUM_WINDOW_DAYS = 30
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    processed_days: int = 90
+    failed_days: int = 365
+
+    def __post_init__(self):
+        for name, days in (("LEDGER_RETAIN_PROCESSED_DAYS", self.processed_days),
+                           ("LEDGER_RETAIN_FAILED_DAYS", self.failed_days)):
+            if days < MINIMUM_WINDOW_DAYS:
+                raise ConfigError(f"{name} must be at least {MINIMUM_WINDOW_DAYS} (Stripe redelivers and its "
+                                  f"Events API lists events for 30 days), got {days}")
+
+    def params(self) -> dict[str, int]:
+        return {"processed_days": self.processed_days, "failed_days": self.failed_days}
+
+
 @dataclass(frozen=True)
 class Settings:
     database_url: str = "postgresql:///ledger"
@@ -81,11 +102,22 @@ class Settings:
     task_events: bool = False
     handler_modules: tuple[str, ...] = ()
     entitlements_map_path: str | None = None
+    # Retention (docs/retention.md): final events leave the ledger this many days after they
+    # ended, archived first to archive_url; without one nothing leaves. At least 30 days each.
+    retain_processed_days: int = 90
+    retain_failed_days: int = 365
+    archive_url: str | None = None
+    # The sweep runs retention every this many seconds (0: only `ledgerctl retention run`).
+    retention_interval_s: float = 3600.0
 
     def __post_init__(self):
         if self.accept_livemode not in ACCEPT_LIVEMODE:
             raise ConfigError(f"LEDGER_ACCEPT_LIVEMODE must be one of {'|'.join(ACCEPT_LIVEMODE)}, "
                               f"got {self.accept_livemode!r}")
+        self.retention_policy()  # a window under 30 days stops every process at start-up
+
+    def retention_policy(self) -> RetentionPolicy:
+        return RetentionPolicy(processed_days=self.retain_processed_days, failed_days=self.retain_failed_days)
 
     def accepts_livemode(self, livemode: bool) -> bool:
         """Whether this deployment keeps events of this mode (LEDGER_ACCEPT_LIVEMODE)."""
@@ -141,6 +173,12 @@ class Settings:
             task_events=_flag(env, "LEDGER_TASK_EVENTS", defaults.task_events),
             handler_modules=tuple(m.strip() for m in env.get("LEDGER_HANDLER_MODULES", "").split(",") if m.strip()),
             entitlements_map_path=env.get("LEDGER_ENTITLEMENTS_MAP") or None,
+            retain_processed_days=_number(env, "LEDGER_RETAIN_PROCESSED_DAYS", defaults.retain_processed_days, int,
+                                          minimum=1),
+            retain_failed_days=_number(env, "LEDGER_RETAIN_FAILED_DAYS", defaults.retain_failed_days, int, minimum=1),
+            archive_url=env.get("LEDGER_ARCHIVE_URL", "").strip() or None,
+            retention_interval_s=_number(env, "LEDGER_RETENTION_INTERVAL_S", defaults.retention_interval_s, float,
+                                         minimum=0),
         )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -55,6 +55,8 @@ class Overview:
     per_minute: list[dict[str, Any]]
     catchup_cursors: list[dict[str, Any]]
     health_alerts: list[dict[str, Any]]
+    retention_runs: list[dict[str, Any]] = field(default_factory=list)
+    retention_holds: int = 0
     outbox: dict[str, Any] | None = None
     queue_depth: int | None = None
     exact_up_to: int = EXACT_PROCESSED_UP_TO
@@ -99,7 +101,9 @@ class ConsoleLedger:
                                                   if unfinished["oldest_unprocessed_age_s"] is not None else None),
                         due_retries=unfinished["due_retries"], expired_leases=unfinished["expired_leases"],
                         per_minute=self._all(SQL.console_per_minute),
-                        catchup_cursors=self._all(SQL.console_catchup_cursors), health_alerts=health_alerts)
+                        catchup_cursors=self._all(SQL.console_catchup_cursors), health_alerts=health_alerts,
+                        retention_runs=self._all(SQL.retention_runs_recent, {"limit": 5}),
+                        retention_holds=len(self._all(SQL.retention_holds_active)))
 
     def failure_groups(self, *, limit: int = 200) -> list[dict[str, Any]]:
         return self._all(SQL.console_failure_groups, {"limit": limit})

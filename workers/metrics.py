@@ -54,14 +54,20 @@ HEALTH_ALERTS = Counter("stripe_health_alerts_total",
                         "Stripe event generation failures recorded, by the failed event type and repair",
                         ["failed_type", "repair"])
 
+# Retention runs of this sweep (ledger/retention.py) by outcome (done, failed, skipped: another held the lock),
+# and the events they archived and removed. The ledger-wide view is the gauges below, from ledger.retention_runs.
+RETENTION_RUNS = Counter("retention_runs_total", "Retention runs started by this process, by outcome", ["status"])
+RETENTION_EVENTS = Counter("retention_events_total", "Events retention archived and removed", ["action"])
+
 
 class LedgerCollector:
     """Gauges read from ledger.events at scrape time (only the small unfinished set, plus status counts)."""
 
-    def __init__(self, operator, outbox=None, reconcile=None, queue_depths=None):
+    def __init__(self, operator, outbox=None, reconcile=None, queue_depths=None, retention=None):
         self._operator = operator
         self._outbox = outbox
         self._reconcile = reconcile
+        self._retention = retention
         # A callable: {queue name: messages waiting, None when the broker does not answer}, on either broker.
         self._queue_depths = queue_depths
 
@@ -70,6 +76,7 @@ class LedgerCollector:
             stats = self._operator.stats()
             outbox = self._outbox.stats() if self._outbox is not None else None
             drift = self._reconcile.drift_by_type() if self._reconcile is not None else None
+            kept = self._retention.health() if self._retention is not None and self._retention.store else None
         except Exception:
             return  # Postgres unreachable: no gauges this scrape rather than wrong ones
         if outbox is not None:
@@ -96,6 +103,12 @@ class LedgerCollector:
                                 value=stats["due_retries"])
         yield GaugeMetricFamily("ledger_expired_leases", "Processing events whose worker's lease expired",
                                 value=stats["expired_leases"])
+        if kept is not None:
+            yield GaugeMetricFamily("retention_last_success_timestamp_seconds",
+                                    "When the latest retention run that completed ended (unix time; 0: none yet)",
+                                    value=kept["last_success_s"] or 0.0)
+            yield GaugeMetricFamily("retention_last_run_failed", "1 while the latest retention run failed",
+                                    value=1.0 if kept["last_failed"] else 0.0)
         if drift is not None:
             objects = GaugeMetricFamily("reconcile_drift_objects",
                                         "Objects that drifted from Stripe in the latest reconcile run of their type",
@@ -109,17 +122,18 @@ class LedgerCollector:
                                         value=max(row["ran_at"] for row in drift).timestamp())
 
 
-def registry_for_export(operator=None, outbox=None, reconcile=None, queue_depths=None) -> CollectorRegistry:
+def registry_for_export(operator=None, outbox=None, reconcile=None, queue_depths=None,
+                        retention=None) -> CollectorRegistry:
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
     else:
         registry = REGISTRY
     if operator is not None:
-        registry.register(LedgerCollector(operator, outbox, reconcile, queue_depths))
+        registry.register(LedgerCollector(operator, outbox, reconcile, queue_depths, retention))
     return registry
 
 
-def serve(port: int, operator=None, outbox=None, reconcile=None, queue_depths=None) -> None:
+def serve(port: int, operator=None, outbox=None, reconcile=None, queue_depths=None, retention=None) -> None:
     """Expose /metrics on ``port`` from a background thread of this process."""
-    start_http_server(port, registry=registry_for_export(operator, outbox, reconcile, queue_depths))
+    start_http_server(port, registry=registry_for_export(operator, outbox, reconcile, queue_depths, retention))

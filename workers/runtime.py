@@ -5,11 +5,13 @@ from functools import cached_property
 
 from celery import Celery
 
+from ledger.archive import open_store
 from ledger.config import Settings
 from ledger.db import ProcessPool
 from ledger.liveness import Liveness
 from ledger.outbox import OutboxLedger
 from ledger.attempts import WorkerLedger
+from ledger.retention import Retention
 from workers.dispatcher import OutboxDispatcher
 from workers.effects import Sender, load_senders
 from workers.processor import EventProcessor
@@ -66,8 +68,16 @@ class Runtime:
         return Rescuer(self.ledger, self.waker, outbox=self.outbox)
 
     @cached_property
+    def retention(self) -> Retention:
+        """Retention on this process's pool; without LEDGER_ARCHIVE_URL it has no store and never runs."""
+        url = self.settings.archive_url
+        return Retention(self.pool, self.settings.database_url, open_store(url) if url else None,
+                         self.settings.retention_policy())
+
+    @cached_property
     def sweeper(self) -> Sweeper:
-        return Sweeper(self.ledger, self.waker, self.celery, self.settings, outbox=self.outbox, rescuer=self.rescuer)
+        return Sweeper(self.ledger, self.waker, self.celery, self.settings, outbox=self.outbox, rescuer=self.rescuer,
+                       retention=self.retention)
 
 
 def sweep_process(settings: Settings, *, operator=None, outbox: OutboxLedger | None = None) -> Sweeper:
@@ -87,6 +97,6 @@ def sweep_process(settings: Settings, *, operator=None, outbox: OutboxLedger | N
 
         queues = (settings.queue_name, effects_queue(settings.queue_name))
         serve(settings.metrics_port, operator=operator, outbox=outbox or runtime.outbox,
-              reconcile=ReconcileRuns(runtime.pool),
+              reconcile=ReconcileRuns(runtime.pool), retention=runtime.retention,
               queue_depths=lambda: {queue: queue_depth(runtime.celery, queue) for queue in queues})
     return runtime.sweeper

@@ -19,6 +19,11 @@ runs the periodic catch-up (workers/catchup.py) on a thread beside the passes:
 the events Stripe has that no webhook delivered, for the platform and every
 account with a cursor. Several sweepers may run it: one catch-up per account
 runs at a time, the others skip it.
+
+With LEDGER_ARCHIVE_URL set, ``run_forever`` also runs retention (ledger/retention.py) on a
+thread of its own every LEDGER_RETENTION_INTERVAL_S (0: never; ``ledgerctl retention run``
+still does): final events past their window archived, then removed. Several sweepers may
+run it: one run at a time holds the lock, the others skip theirs.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from celery import Celery
 from ledger.config import Settings
 from ledger.outbox import OutboxLedger
 from ledger.attempts import WorkerLedger
+from ledger.retention import Retention
 from workers import metrics
 from workers.rescue import Rescuer
 from workers.wakeup import Waker
@@ -72,6 +78,8 @@ class Sweeper:
     # Takes over the leases of gone workers (workers/rescue.py): once per pass of run_once, and every
     # LEDGER_RESCUE_INTERVAL_S on a thread of its own in run_forever.
     rescuer: Rescuer | None = None
+    # Archives, then removes, final events past their window (only with LEDGER_ARCHIVE_URL set).
+    retention: Retention | None = None
 
     def run_once(self, *, rescue: bool = True) -> SweepResult:
         if rescue and self.rescuer is not None:
@@ -97,6 +105,7 @@ class Sweeper:
         started = time.monotonic()
         stop = threading.Event()
         catchup = self._start_catchup(stop)
+        retention = self._start_retention(stop)
         rescue = None
         if self.rescuer is not None:
             rescue = threading.Thread(target=self.rescuer.run_until, args=(stop, self.settings.rescue_interval_s),
@@ -115,7 +124,7 @@ class Sweeper:
                     time.sleep(self.settings.sweep_interval_s)
         finally:
             stop.set()
-            for thread in (catchup, rescue):
+            for thread in (catchup, retention, rescue):
                 if thread is not None:
                     thread.join()
 
@@ -135,4 +144,33 @@ class Sweeper:
         thread = threading.Thread(target=run, name="catchup", daemon=True)
         thread.start()
         log.info("periodic catch-up on", extra={"interval_s": interval})
+        return thread
+
+    def _start_retention(self, stop: threading.Event) -> threading.Thread | None:
+        interval = self.settings.retention_interval_s
+        if self.retention is None or self.retention.store is None or not interval:
+            return None
+        retention = self.retention
+
+        def run():
+            while not stop.is_set():
+                try:
+                    report = retention.run()
+                except Exception as exc:  # the run records its own failures; this is Postgres being away
+                    log.error("retention run could not start; the next one will try again",
+                              extra={"error_class": type(exc).__name__})
+                else:
+                    metrics.RETENTION_RUNS.labels(report.status).inc()
+                    if report.status != "skipped":
+                        metrics.RETENTION_EVENTS.labels("archived").inc(report.archived)
+                        metrics.RETENTION_EVENTS.labels("removed").inc(report.removed)
+                        log.info("retention run", extra={"run_id": report.run_id, "status": report.status,
+                                                         "archived": report.archived, "removed": report.removed,
+                                                         "changed": report.changed,
+                                                         "kept_by_hold": report.kept_by_hold,
+                                                         "seconds": round(report.seconds, 3)})
+                stop.wait(interval)
+        thread = threading.Thread(target=run, name="retention", daemon=True)
+        thread.start()
+        log.info("retention on", extra={"interval_s": interval, "archive": retention.store.url})
         return thread

@@ -27,7 +27,7 @@ from pathlib import Path
 import psycopg
 import requests
 
-from devkit.benchmarks.stack import bench_postgres
+from devkit.benchmarks.stack import migrated_database
 from devkit.procs import REPO, Cleanup
 from devkit.stack import Console, stack_env
 
@@ -185,20 +185,12 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=60, help="timed requests per page")
     parser.add_argument("--docs", action="store_true", help="write the result into docs/benchmarks.md")
     args = parser.parse_args()
-    from ledger.migrate import migrate
     from ops.console.auth import hash_password
 
     work = Path(tempfile.mkdtemp(prefix="ledger-console-bench-"))
     cleanup = Cleanup("console-bench")
     try:
-        pg = bench_postgres()
-        cleanup.add("private postgres", pg.destroy)
-        pg.init().start()
-        url = pg.url_for("postgres")
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute("CREATE DATABASE console_bench")
-        url = pg.url_for("console_bench")
-        migrate(url)
+        url = migrated_database(cleanup, "console_bench")
         print(f"filling {args.events:,} events", flush=True)
         fill(url, args.events)
         env = stack_env(url, "redis://127.0.0.1:6379/15", {

@@ -36,6 +36,23 @@ def bench_postgres() -> PrivatePostgres:
     return PrivatePostgres(dir=Path(tempfile.mkdtemp(prefix="ledger-bench-pg-")), options=POSTGRES_OPTIONS)
 
 
+def migrated_database(cleanup, name: str) -> str:
+    """A started bench server (destroyed by ``cleanup``) holding database ``name`` with the ledger's schema;
+    its URL."""
+    import psycopg
+
+    from ledger.migrate import migrate
+
+    pg = bench_postgres()
+    cleanup.add("private postgres", pg.destroy)
+    pg.init().start()
+    with psycopg.connect(pg.url_for("postgres"), autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    url = pg.url_for(name)
+    migrate(url)
+    return url
+
+
 class WorkerFleet:
     """N ``celery -A workers worker --concurrency 1`` instances: one per "machine" the user adds.
 

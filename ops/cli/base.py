@@ -50,6 +50,15 @@ class _Context:
 
         return OutboxLedger(self.pool)
 
+    @property
+    def retention(self):
+        from ledger.archive import open_store
+        from ledger.retention import Retention
+
+        url = self.settings.archive_url
+        return Retention(self.pool, self.settings.database_url, open_store(url) if url else None,
+                         self.settings.retention_policy(), runner=f"ledgerctl:{_actor()}")
+
     def waker(self):
         from workers.app import make_celery
         from workers.wakeup import Waker

@@ -203,7 +203,14 @@ def sweep(obj: _Context, loop: bool, as_json: bool):
 @json_option
 @click.pass_obj
 def prune(obj: _Context, older_than: str, dry_run: bool, as_json: bool):
-    """Drop payloads of processed events past retention. Unprocessed events are never touched."""
+    """Drop payloads of processed events past retention. Unprocessed events are never touched.
+
+    For a ledger without an archive only: with LEDGER_ARCHIVE_URL set, retention archives whole events,
+    bodies included, then removes them (ledgerctl retention), and a pruned body would be lost to the archive.
+    """
+    if obj.settings.archive_url:
+        raise click.UsageError("LEDGER_ARCHIVE_URL is set: retention archives and removes whole events "
+                               "(ledgerctl retention run); prune would drop bodies the archive should keep")
     seconds = _duration_s(older_than)
     if dry_run:
         count = obj.operator.count_prunable(older_than_s=seconds)

@@ -4,6 +4,7 @@
 * ``wakeup_queue``: the broker's list for ``settings.queue_name``, emptied before and after.
 * ``private_postgres``: a server of the test's own, for tests that stop or break it.
 * kit, broker_settings, ledgerctl_cli, prepared_ledger: tests/support/ledger_fixtures.py.
+* mixed_ledger: events in every state for retention (tests/support/retention.py).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ingest.app import create_app
 from ledger.config import Settings
 from tests.support.ledger_fixtures import (broker_settings, effects_table, kit, ledgerctl_cli,  # noqa: F401
                                            prepared_ledger)
+from tests.support.retention import mixed_ledger  # noqa: F401
 from tests.support.receiver import WakeupQueue, drop_queue
 
 

@@ -456,3 +456,17 @@ def test_the_latest_reconcile_run_of_each_type_is_the_drift_metric(kit):
     samples = {s.labels["type"]: s.value for s in families["reconcile_drift_objects"].samples}
     assert samples == {"customers": 1, "invoices": 1, "charges": 0}
     assert families["reconcile_last_run_timestamp_seconds"].samples[0].value > time.time() - 60
+
+
+def test_the_overview_shows_the_latest_retention_runs_and_the_holds(app, kit, mixed_ledger, tmp_path):
+    from ledger.archive import DirectoryStore
+    from ledger.retention import Retention, RetentionPolicy
+
+    viewer = client_for(app, "vera")
+    assert "no retention run yet" in viewer.get("/").text
+    report = Retention(kit.pool("retention"), kit.settings.database_url, DirectoryStore(tmp_path / "archive"),
+                       RetentionPolicy(processed_days=30, failed_days=60)).run()
+    overview = viewer.get("/").text
+    row = overview[overview.index('<table id="retention">'):overview.index("hold(s) in force")]
+    assert f"<td>{report.run_id}</td>" in row and "done" in row and f"<td>{report.removed}</td>" in row
+    assert "2 hold(s) in force" in overview

@@ -1,0 +1,275 @@
+"""Retention: final events past their window leave the ledger, archived first (docs/retention.md).
+
+A run, one at a time across hosts (a session-level advisory lock: a second runner skips):
+
+1. **archives** every event past its window (processed: LEDGER_RETAIN_PROCESSED_DAYS after
+   processing; failed_permanent: LEDGER_RETAIN_FAILED_DAYS after the failure), one line per
+   event with every row that names it, into one file per month of Stripe's ``created``;
+   never an unfinished event, one with an effect still to deliver, or a held one. It reads
+   the table once, in slices of heap blocks (SLICE_BLOCKS per statement), so no statement
+   sorts, none holds a snapshot for long, and no index is added to the receiver's inserts;
+2. **puts** each file, then its manifest, in the store;
+3. **reads it back** and checks it against what was written (size, SHA-256, events);
+4. records it in ``ledger.archive_files``; only then
+5. **removes** the events it holds, a page per transaction, each only if its rows are still
+   what the file holds (a delivery or a replay since leaves it for the next run).
+
+A run that dies anywhere repeats safely: before 5 nothing left the ledger, and a file
+without its manifest counts for nothing; during 5, the events not yet removed are
+archived again by the next run (a restore of both files writes each event once).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import psycopg
+
+from ledger.archive import (ArchiveStore, ArchiveWriter, Chunk, Manifest, MANIFEST_SUFFIX, fetch_verified,
+                            file_key, read_lines, sha256_of)
+from ledger.db import ProcessPool
+from ledger.config import RetentionPolicy
+from ledger.errors import ConfigError
+from ledger.queries import SQL
+from ledger.statements import run_statement
+
+log = logging.getLogger(__name__)
+
+# Events removed per transaction (its row locks' hold), and heap blocks (8 KB) read per archiving statement.
+REMOVE_PAGE = 500
+REMOVE_PAGE_MIN = 25
+REMOVE_TARGET_S = 0.2
+SLICE_BLOCKS = 1024
+# Connections reading slices at once: Postgres builds lines on one while this process compresses.
+READERS = 2
+
+
+@dataclass
+class RunReport:
+    run_id: int | None
+    status: str              # done | failed | skipped (another runner holds the lock)
+    archived: int = 0
+    removed: int = 0
+    changed: int = 0
+    kept_by_hold: int = 0
+    files: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str | None = None
+    # Where the time went: reading the events' lines out of Postgres and compressing them, writing
+    # and reading back the files, removing; and the longest removal transaction (its row locks' hold).
+    read_s: float = 0.0
+    store_s: float = 0.0
+    remove_s: float = 0.0
+    longest_removal_s: float = 0.0
+
+
+class Retention:
+    """The retention runner, holds, and restores, over one database and one archive store."""
+
+    def __init__(self, pool: ProcessPool, database_url: str, store: ArchiveStore | None, policy: RetentionPolicy,
+                 *, runner: str | None = None, page: int = REMOVE_PAGE, slice_blocks: int = SLICE_BLOCKS,
+                 readers: int = READERS,
+                 before_removal: Callable[[Manifest], None] | None = None):
+        self._pool = pool
+        self._database_url = database_url
+        self.store = store
+        self.policy = policy
+        self.runner = runner or f"{socket.gethostname()}:{os.getpid()}"
+        self._page = page
+        self._slice_blocks = slice_blocks
+        self._readers = readers
+        # A test's hook between a verified archive and its removal (the crash the docs promise survives).
+        self._before_removal = before_removal
+
+    def _all(self, sql: str, params: dict | None = None) -> list[dict[str, Any]]:
+        return run_statement(self._pool, sql, params)
+
+    def _all_tuples(self, sql: str, params: dict) -> list[tuple]:
+        with self._pool.get().connection() as conn:
+            return conn.execute(sql, params).fetchall()
+
+    # -- the run ------------------------------------------------------------------------------
+
+    def run(self) -> RunReport:
+        """One retention run; ``skipped`` while another holds the lock."""
+        if self.store is None:
+            raise ConfigError("LEDGER_ARCHIVE_URL is not set: nothing leaves the ledger without an archive")
+        started = time.monotonic()
+        # The lock's own session, autocommit: it is held across the run's many short transactions,
+        # and holds no snapshot (a transaction left open would hold back vacuum for the whole run).
+        with psycopg.connect(self._database_url, autocommit=True) as lock_conn:
+            if not lock_conn.execute(SQL.retention_try_lock).fetchone()[0]:
+                return RunReport(None, "skipped")
+            run_id = self._all(SQL.retention_run_start, {"runner": self.runner, **self.policy.params()})[0]["id"]
+            report = RunReport(run_id, "running")
+            try:
+                self._archive_and_remove(report)
+                report.kept_by_hold = self._all(SQL.retention_count_held, self.policy.params())[0]["held"]
+                report.status = "done"
+            except Exception as exc:
+                report.status, report.error = "failed", f"{type(exc).__name__}: {exc}"
+                log.error("retention run failed; nothing unarchived was removed",
+                          extra={"run_id": run_id, "error_class": type(exc).__name__})
+            finally:
+                report.seconds = time.monotonic() - started
+                self._all(SQL.retention_run_finish, {"run_id": run_id, "status": report.status,
+                                                     "error": report.error, "kept_by_hold": report.kept_by_hold})
+                lock_conn.execute(SQL.retention_unlock)
+            return report
+
+    def _archive_and_remove(self, report: RunReport) -> None:
+        with tempfile.TemporaryDirectory(prefix="ledger-retention-") as tmp:
+            writers = self._archive(report, Path(tmp))
+            for month in sorted(writers):
+                self._store_and_remove(report, month, writers[month], Path(tmp))
+
+    def _archive(self, report: RunReport, tmp: Path) -> dict[str, ArchiveWriter]:
+        """Every event past its window into its month's file: the table read once, a slice of blocks
+        per statement."""
+        started = time.monotonic()
+        writers: dict[str, ArchiveWriter] = {}
+
+        def read(first: int) -> dict[str, Chunk]:
+            by_month: dict[str, list[tuple[str, str]]] = {}
+            for event_id, month, line in self._all_tuples(SQL.retention_candidates, {
+                    **self.policy.params(), "first_block": first, "end_block": first + self._slice_blocks}):
+                by_month.setdefault(month, []).append((event_id, line))
+            return {month: Chunk.of(rows) for month, rows in by_month.items()}
+        try:
+            blocks = self._all(SQL.events_heap_blocks)[0]["blocks"]
+            # Slices read (and compressed) on several connections at once, appended in the table's order.
+            with ThreadPoolExecutor(max_workers=self._readers, thread_name_prefix="retention-read") as readers:
+                for chunks in readers.map(read, range(0, blocks, self._slice_blocks)):
+                    for month, chunk in chunks.items():
+                        writer = writers.get(month)
+                        if writer is None:
+                            writer = writers[month] = ArchiveWriter(tmp, month)
+                        writer.append(chunk)
+        finally:
+            for writer in writers.values():
+                writer.close()
+            report.read_s += time.monotonic() - started
+        return writers
+
+    def _store_and_remove(self, report: RunReport, month: str, writer: ArchiveWriter, tmp: Path) -> None:
+        key = file_key(date.fromisoformat(f"{month}-01"), report.run_id)
+        started = time.monotonic()
+        sha256, size = sha256_of(writer.path), writer.path.stat().st_size
+        manifest = Manifest(key=key, month=month, run_id=report.run_id, events=writer.events, bytes=size,
+                            sha256=sha256, first_event=writer.first_event, last_event=writer.last_event)
+        manifest_path = tmp / f"{month}.manifest.json"
+        manifest_path.write_bytes(manifest.to_json())
+        self.store.put(key, writer.path)
+        self.store.put(key + MANIFEST_SUFFIX, manifest_path)
+        fetch_verified(self.store, manifest, tmp / f"{month}.read-back.jsonl.gz")
+        report.store_s += time.monotonic() - started
+        self._all(SQL.archive_file_record, {"key": key, "run_id": report.run_id, "month": f"{month}-01",
+                                            "events": manifest.events, "bytes": size, "sha256": sha256})
+        report.files.append(key)
+        report.archived += manifest.events
+        self._progress(report.run_id, archived=manifest.events, files=1)
+        if self._before_removal is not None:
+            self._before_removal(manifest)
+        self._remove(report, key, writer.fingerprints())
+
+    def _remove(self, report: RunReport, key: str, fingerprints: Iterator[tuple[str, str]]) -> None:
+        # The page follows the time a removal takes, so its row locks (which a redelivery of one of these
+        # events would wait on) are held about REMOVE_TARGET_S: halved after a slow one, grown after quick ones.
+        size = self._page
+        while page := list(itertools.islice(fingerprints, size)):
+            started = time.monotonic()
+            removed = self._remove_page([i for i, _ in page], [f for _, f in page])
+            took = time.monotonic() - started
+            if took > 2 * REMOVE_TARGET_S:
+                size = max(REMOVE_PAGE_MIN, size // 2)
+            elif took < REMOVE_TARGET_S / 2:
+                size = min(self._page * 4, size * 2)
+            report.remove_s += took
+            report.longest_removal_s = max(report.longest_removal_s, took)
+            self._all(SQL.archive_file_removed, {"key": key, "removed": removed})
+            report.removed += removed
+            report.changed += len(page) - removed
+            self._progress(report.run_id, removed=removed, changed=len(page) - removed)
+
+    def _remove_page(self, ids: list[str], fingerprints: list[str]) -> int:
+        """One transaction: lock, then delete what is unchanged (events_lock_archived says why two statements)."""
+        params = {"ids": ids, "fingerprints": fingerprints}
+        with self._pool.get().connection() as conn, conn.transaction():
+            conn.execute(SQL.events_lock_archived, params)
+            return len(conn.execute(SQL.events_remove_archived, params).fetchall())
+
+    def _progress(self, run_id: int, *, archived: int = 0, removed: int = 0, changed: int = 0,
+                  files: int = 0) -> None:
+        self._all(SQL.retention_run_progress, {"run_id": run_id, "archived": archived, "removed": removed,
+                                               "changed": changed, "files": files})
+
+    # -- what an operator reads ---------------------------------------------------------------
+
+    def recent_runs(self, limit: int = 10) -> list[dict[str, Any]]:
+        return self._all(SQL.retention_runs_recent, {"limit": limit})
+
+    def health(self) -> dict[str, Any]:
+        """For the metrics: when the latest completed run ended (unix time, None: never), and whether the
+        latest run failed."""
+        return self._all(SQL.retention_health)[0]
+
+    def catalogued_files(self) -> list[dict[str, Any]]:
+        return self._all(SQL.archive_files_list)
+
+    # -- holds --------------------------------------------------------------------------------
+
+    def hold(self, *, event_id: str | None = None, customer_id: str | None = None, reason: str,
+             actor: str) -> int:
+        return self._all(SQL.retention_hold_add, {"event_id": event_id, "customer_id": customer_id,
+                                                  "reason": reason, "actor": actor})[0]["id"]
+
+    def release(self, hold_id: int, *, actor: str) -> bool:
+        return bool(self._all(SQL.retention_hold_release, {"id": hold_id, "actor": actor}))
+
+    def holds(self) -> list[dict[str, Any]]:
+        return self._all(SQL.retention_holds_active)
+
+    # -- restore ------------------------------------------------------------------------------
+
+    def restore(self, key: str, *, batch: int = 500) -> tuple[int, int]:
+        """An archived file back into the ledger, after checking it against its manifest: (written,
+        already there). Each batch of lines is one transaction."""
+        if self.store is None:
+            raise ConfigError("LEDGER_ARCHIVE_URL is not set")
+        manifest = self.store.manifest(key)
+        written = present = 0
+        with tempfile.TemporaryDirectory(prefix="ledger-restore-") as tmp:
+            path = Path(tmp) / "restore.jsonl.gz"
+            fetch_verified(self.store, manifest, path)
+            lines = read_lines(path)
+            with self._pool.get().connection() as conn:
+                while True:
+                    chunk = [line for _, line in zip(range(batch), lines)]
+                    if not chunk:
+                        break
+                    with conn.transaction():
+                        for line in chunk:
+                            if conn.execute(SQL.event_restore_line, {"line": line}).fetchone()[0]:
+                                written += 1
+                            else:
+                                present += 1
+        self._all(SQL.archive_file_restored, {"key": key})
+        return written, present
+
+    def verify(self, key: str) -> Manifest:
+        """Read a file back and check it against its manifest; ArchiveError if it differs."""
+        if self.store is None:
+            raise ConfigError("LEDGER_ARCHIVE_URL is not set")
+        manifest = self.store.manifest(key)
+        with tempfile.TemporaryDirectory(prefix="ledger-verify-") as tmp:
+            fetch_verified(self.store, manifest, Path(tmp) / "verify.jsonl.gz")
+        return manifest

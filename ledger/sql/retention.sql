@@ -1,0 +1,129 @@
+-- Retention (ledger/retention.py, docs/retention.md): final events past their window
+-- (ledger.event_past_window, migration 0011) leave the ledger through the archive. Never
+-- an unfinished event, never one with an effect still to deliver, never a held one.
+
+-- name: retention_try_lock
+-- One runner at a time, across hosts: a session-level advisory lock held by the
+-- runner's own connection for the whole run (released when it ends, or dies).
+SELECT pg_try_advisory_lock(hashtextextended('ledger.retention', 0)) AS locked
+
+-- name: retention_unlock
+SELECT pg_advisory_unlock(hashtextextended('ledger.retention', 0))
+
+-- name: retention_run_start
+INSERT INTO ledger.retention_runs (runner, processed_days, failed_days)
+VALUES (%(runner)s, %(processed_days)s, %(failed_days)s)
+RETURNING id
+
+-- name: retention_run_progress
+UPDATE ledger.retention_runs
+   SET archived = archived + %(archived)s, removed = removed + %(removed)s,
+       changed = changed + %(changed)s, files = files + %(files)s
+ WHERE id = %(run_id)s
+
+-- name: retention_run_finish
+-- running -> done | failed (a failed run says why).
+UPDATE ledger.retention_runs
+   SET status = %(status)s, error = %(error)s, kept_by_hold = %(kept_by_hold)s, finished_at = now()
+ WHERE id = %(run_id)s AND status = 'running'
+
+-- name: events_heap_blocks
+-- How far a run reads: the table's size in blocks when it starts (later rows are new).
+SELECT pg_relation_size('ledger.events') / current_setting('block_size')::bigint AS blocks
+
+-- name: retention_candidates
+-- The events past their window in a range of the table's blocks (a TID range scan: each
+-- statement reads a bounded slice of the heap in physical order, no index, no sort, no
+-- snapshot held between slices), each with the month of its `created` (its archive file)
+-- and its archive line. Excluded: an event with an effect still to deliver, and a held one
+-- (by id, or by the customer its payload names).
+SELECT l.id, l.month, l.line
+  FROM ledger.event_archive_lines(ARRAY(
+        SELECT e.id
+          FROM ledger.events e
+         WHERE e.ctid >= format('(%%s,0)', %(first_block)s::bigint)::tid
+           AND e.ctid < format('(%%s,0)', %(end_block)s::bigint)::tid
+           AND ledger.event_past_window(e.status, e.processed_at, e.updated_at, %(processed_days)s, %(failed_days)s)
+           AND NOT EXISTS (SELECT 1 FROM ledger.outbox o
+                            WHERE o.event_id = e.id AND o.status NOT IN ('sent', 'failed_permanent'))
+           AND NOT EXISTS (SELECT 1 FROM ledger.retention_holds h
+                            WHERE h.released_at IS NULL
+                              AND (h.event_id = e.id OR h.customer_id = ledger.event_customer(e.payload))))) AS l
+
+-- name: retention_count_held
+-- Events past their window that a hold keeps: reported by each run.
+SELECT count(*) AS held
+  FROM ledger.events e
+ WHERE ledger.event_past_window(e.status, e.processed_at, e.updated_at, %(processed_days)s, %(failed_days)s)
+   AND EXISTS (SELECT 1 FROM ledger.retention_holds h
+                WHERE h.released_at IS NULL
+                  AND (h.event_id = e.id OR h.customer_id = ledger.event_customer(e.payload)))
+
+-- name: archive_file_record
+-- A file written and read back: catalogued before any of its events is removed.
+INSERT INTO ledger.archive_files (key, run_id, month, events, bytes, sha256, verified_at)
+VALUES (%(key)s, %(run_id)s, %(month)s, %(events)s, %(bytes)s, %(sha256)s, now())
+
+-- name: events_lock_archived
+-- First statement of a removal's transaction: lock the page's events in id order (two
+-- removals, or a removal and a replay, never deadlock). While they are locked nothing can
+-- change them or add a row that names them (a delivery, an attempt, an effect: each
+-- takes a key-share lock on the event), so the next statement, whose snapshot is taken
+-- after these locks were granted, compares with the rows as they will be deleted.
+SELECT e.id FROM ledger.events e WHERE e.id = ANY (%(ids)s::text[]) ORDER BY e.id FOR UPDATE
+
+-- name: events_remove_archived
+-- Archived and verified -> gone, with every row that names them (ON DELETE CASCADE): only
+-- an event whose archive line is still what the file holds. One that changed since (a
+-- delivery appended, a replay) stays, and the next run archives it again.
+WITH archived AS (
+    SELECT a.id, a.fingerprint FROM unnest(%(ids)s::text[], %(fingerprints)s::text[]) AS a(id, fingerprint)
+), unchanged AS (
+    SELECT l.id FROM ledger.event_archive_lines(%(ids)s::text[]) AS l
+      JOIN archived a ON a.id = l.id AND a.fingerprint = md5(l.line)
+)
+DELETE FROM ledger.events e USING unchanged u WHERE e.id = u.id
+RETURNING e.id
+
+-- name: archive_file_removed
+UPDATE ledger.archive_files SET removed = removed + %(removed)s WHERE key = %(key)s
+
+-- name: archive_file_restored
+UPDATE ledger.archive_files SET restored_at = now() WHERE key = %(key)s
+
+-- name: archive_files_list
+SELECT key, run_id, month, events, bytes, sha256, verified_at, removed, restored_at, created_at
+  FROM ledger.archive_files
+ ORDER BY month, created_at, key
+
+-- name: event_restore_line
+SELECT ledger.event_restore_line(%(line)s) AS written
+
+-- name: retention_runs_recent
+SELECT id, runner, status, processed_days, failed_days, archived, removed, changed, kept_by_hold,
+       files, error, started_at, finished_at,
+       extract(epoch FROM coalesce(finished_at, now()) - started_at) AS seconds
+  FROM ledger.retention_runs
+ ORDER BY id DESC
+ LIMIT %(limit)s
+
+-- name: retention_health
+SELECT extract(epoch FROM (SELECT max(finished_at) FROM ledger.retention_runs WHERE status = 'done'))::float8
+           AS last_success_s,
+       coalesce((SELECT status = 'failed' FROM ledger.retention_runs ORDER BY id DESC LIMIT 1), false) AS last_failed
+
+-- name: retention_hold_add
+INSERT INTO ledger.retention_holds (event_id, customer_id, reason, actor)
+VALUES (%(event_id)s, %(customer_id)s, %(reason)s, %(actor)s)
+RETURNING id
+
+-- name: retention_hold_release
+UPDATE ledger.retention_holds SET released_at = now(), released_by = %(actor)s
+ WHERE id = %(id)s AND released_at IS NULL
+RETURNING id
+
+-- name: retention_holds_active
+SELECT id, event_id, customer_id, reason, actor, created_at
+  FROM ledger.retention_holds
+ WHERE released_at IS NULL
+ ORDER BY id
