@@ -11,10 +11,8 @@ import contextlib
 from datetime import datetime
 from typing import Any, Iterator
 
-import psycopg
-
 from ledger.config import Settings
-from ledger.db import ProcessPool
+from ledger.db import ProcessPool, session_lock
 from ledger.errors import LedgerError
 from ledger.queries import SQL
 from ledger.statements import run_statement
@@ -70,17 +68,9 @@ class CatchupLedger:
     @contextlib.contextmanager
     def locked(self, key: str) -> Iterator[None]:
         """Hold the account's catch-up lock for the block; CatchupBusy if another run holds it."""
-        conn = psycopg.connect(self._settings.database_url, autocommit=True,
-                               connect_timeout=max(1, int(self._settings.db_pool_timeout_s)),
-                               application_name="ledger-catchup")
-        try:
-            if not conn.execute(SQL.catchup_lock_try, {"account": key}).fetchone()[0]:
+        with session_lock(self._settings, SQL.catchup_lock_try, SQL.catchup_unlock, {"account": key},
+                          name="ledger-catchup") as held:
+            if not held:
                 raise CatchupBusy(f"another catch-up of {account_name(key)} is running (it holds the advisory "
                                   f"lock); nothing was done")
-            try:
-                yield
-            finally:
-                with contextlib.suppress(psycopg.Error):
-                    conn.execute(SQL.catchup_unlock, {"account": key})
-        finally:
-            conn.close()
+            yield

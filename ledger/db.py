@@ -6,9 +6,12 @@ whichever process first asks and reopens it when it finds itself in a new pid.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from typing import Any, Iterator, Mapping
 
+import psycopg
 from psycopg_pool import ConnectionPool
 
 from ledger.config import Settings
@@ -44,6 +47,26 @@ def session_guards(settings: Settings, *, name: str) -> tuple[str, dict]:
                      "keepalives_count": KEEPALIVE_PROBES, "tcp_user_timeout": user_timeout_ms}
 
 
+@contextlib.contextmanager
+def session_lock(settings: Settings, try_lock: str, unlock: str, params: Mapping[str, Any] | None = None, *,
+                 name: str) -> Iterator[bool]:
+    """A session-level advisory lock held on a connection of its own (autocommit: it holds no snapshot,
+    however long the block runs) for the block: yields whether it was granted. The lock goes with the
+    session, so a holder that dies releases it; the unlock's own failure (Postgres gone) is not the block's."""
+    conn = psycopg.connect(settings.database_url, autocommit=True,
+                           connect_timeout=max(1, int(settings.db_pool_timeout_s)), application_name=name)
+    try:
+        held = bool(conn.execute(try_lock, params or {}).fetchone()[0])
+        try:
+            yield held
+        finally:
+            if held:
+                with contextlib.suppress(psycopg.Error):
+                    conn.execute(unlock, params or {})
+    finally:
+        conn.close()
+
+
 class ProcessPool:
     def __init__(self, settings: Settings, *, name: str, max_size: int | None = None,
                  statement_timeout_ms: int | None = None, interactive: bool = False, guarded: bool = False):
@@ -57,6 +80,10 @@ class ProcessPool:
         self._lock = threading.Lock()
         self._pool: ConnectionPool | None = None
         self._pid: int | None = None
+
+    @property
+    def settings(self) -> Settings:
+        return self._settings
 
     def get(self) -> ConnectionPool:
         pid = os.getpid()

@@ -32,11 +32,11 @@ from datetime import date
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import psycopg
+from psycopg.rows import tuple_row
 
 from ledger.archive import (ArchiveStore, ArchiveWriter, Chunk, Manifest, MANIFEST_SUFFIX, fetch_verified,
                             file_key, read_lines, sha256_of)
-from ledger.db import ProcessPool
+from ledger.db import ProcessPool, session_lock
 from ledger.config import RetentionPolicy
 from ledger.errors import ConfigError
 from ledger.queries import SQL
@@ -75,12 +75,11 @@ class RunReport:
 class Retention:
     """The retention runner, holds, and restores, over one database and one archive store."""
 
-    def __init__(self, pool: ProcessPool, database_url: str, store: ArchiveStore | None, policy: RetentionPolicy,
+    def __init__(self, pool: ProcessPool, store: ArchiveStore | None, policy: RetentionPolicy,
                  *, runner: str | None = None, page: int = REMOVE_PAGE, slice_blocks: int = SLICE_BLOCKS,
                  readers: int = READERS,
                  before_removal: Callable[[Manifest], None] | None = None):
         self._pool = pool
-        self._database_url = database_url
         self.store = store
         self.policy = policy
         self.runner = runner or f"{socket.gethostname()}:{os.getpid()}"
@@ -93,21 +92,21 @@ class Retention:
     def _all(self, sql: str, params: dict | None = None) -> list[dict[str, Any]]:
         return run_statement(self._pool, sql, params)
 
-    def _all_tuples(self, sql: str, params: dict) -> list[tuple]:
-        with self._pool.get().connection() as conn:
-            return conn.execute(sql, params).fetchall()
+    def _store(self) -> ArchiveStore:
+        if self.store is None:
+            raise ConfigError("LEDGER_ARCHIVE_URL is not set: nothing leaves the ledger without an archive")
+        return self.store
 
     # -- the run ------------------------------------------------------------------------------
 
     def run(self) -> RunReport:
         """One retention run; ``skipped`` while another holds the lock."""
-        if self.store is None:
-            raise ConfigError("LEDGER_ARCHIVE_URL is not set: nothing leaves the ledger without an archive")
+        self._store()
         started = time.monotonic()
-        # The lock's own session, autocommit: it is held across the run's many short transactions,
-        # and holds no snapshot (a transaction left open would hold back vacuum for the whole run).
-        with psycopg.connect(self._database_url, autocommit=True) as lock_conn:
-            if not lock_conn.execute(SQL.retention_try_lock).fetchone()[0]:
+        # Held across the run's many short transactions, on a session of its own (ledger.db.session_lock).
+        with session_lock(self._pool.settings, SQL.retention_try_lock, SQL.retention_unlock,
+                          name="ledger-retention") as held:
+            if not held:
                 return RunReport(None, "skipped")
             run_id = self._all(SQL.retention_run_start, {"runner": self.runner, **self.policy.params()})[0]["id"]
             report = RunReport(run_id, "running")
@@ -123,7 +122,6 @@ class Retention:
                 report.seconds = time.monotonic() - started
                 self._all(SQL.retention_run_finish, {"run_id": run_id, "status": report.status,
                                                      "error": report.error, "kept_by_hold": report.kept_by_hold})
-                lock_conn.execute(SQL.retention_unlock)
             return report
 
     def _archive_and_remove(self, report: RunReport) -> None:
@@ -140,8 +138,9 @@ class Retention:
 
         def read(first: int) -> dict[str, Chunk]:
             by_month: dict[str, list[tuple[str, str]]] = {}
-            for event_id, month, line in self._all_tuples(SQL.retention_candidates, {
-                    **self.policy.params(), "first_block": first, "end_block": first + self._slice_blocks}):
+            for event_id, month, line in run_statement(self._pool, SQL.retention_candidates, {
+                    **self.policy.params(), "first_block": first, "end_block": first + self._slice_blocks},
+                    row_factory=tuple_row):
                 by_month.setdefault(month, []).append((event_id, line))
             return {month: Chunk.of(rows) for month, rows in by_month.items()}
         try:
@@ -242,34 +241,24 @@ class Retention:
 
     def restore(self, key: str, *, batch: int = 500) -> tuple[int, int]:
         """An archived file back into the ledger, after checking it against its manifest: (written,
-        already there). Each batch of lines is one transaction."""
-        if self.store is None:
-            raise ConfigError("LEDGER_ARCHIVE_URL is not set")
-        manifest = self.store.manifest(key)
+        already there). Each batch of lines is one statement, so one transaction."""
+        store = self._store()
+        manifest = store.manifest(key)
         written = present = 0
         with tempfile.TemporaryDirectory(prefix="ledger-restore-") as tmp:
             path = Path(tmp) / "restore.jsonl.gz"
-            fetch_verified(self.store, manifest, path)
+            fetch_verified(store, manifest, path)
             lines = read_lines(path)
-            with self._pool.get().connection() as conn:
-                while True:
-                    chunk = [line for _, line in zip(range(batch), lines)]
-                    if not chunk:
-                        break
-                    with conn.transaction():
-                        for line in chunk:
-                            if conn.execute(SQL.event_restore_line, {"line": line}).fetchone()[0]:
-                                written += 1
-                            else:
-                                present += 1
+            while chunk := list(itertools.islice(lines, batch)):
+                done = self._all(SQL.events_restore_lines, {"lines": chunk})[0]["written"]
+                written, present = written + done, present + len(chunk) - done
         self._all(SQL.archive_file_restored, {"key": key})
         return written, present
 
     def verify(self, key: str) -> Manifest:
         """Read a file back and check it against its manifest; ArchiveError if it differs."""
-        if self.store is None:
-            raise ConfigError("LEDGER_ARCHIVE_URL is not set")
-        manifest = self.store.manifest(key)
+        store = self._store()
+        manifest = store.manifest(key)
         with tempfile.TemporaryDirectory(prefix="ledger-verify-") as tmp:
-            fetch_verified(self.store, manifest, Path(tmp) / "verify.jsonl.gz")
+            fetch_verified(store, manifest, Path(tmp) / "verify.jsonl.gz")
         return manifest

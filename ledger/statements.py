@@ -20,18 +20,20 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import RowFactory, dict_row
 
 from ledger.db import ProcessPool
 
 
-def run_statement(pool: ProcessPool, sql: str, params: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Run one autocommitted statement; its rows (none for a statement that returns none)."""
+def run_statement(pool: ProcessPool, sql: str, params: Mapping[str, Any] | None = None, *,
+                  row_factory: RowFactory = dict_row) -> list:
+    """Run one autocommitted statement; its rows (none for a statement that returns none), as dicts unless
+    ``row_factory`` says otherwise (``tuple_row`` for many rows read in bulk)."""
     connections = pool.get()
     for last_try in (False, True):
         with connections.connection() as conn:
             try:
-                cursor = conn.cursor(row_factory=dict_row).execute(sql, params or {})
+                cursor = conn.cursor(row_factory=row_factory).execute(sql, params or {})
                 return cursor.fetchall() if cursor.description else []
             except psycopg.OperationalError:
                 if last_try or not conn.broken:

@@ -71,7 +71,7 @@ class Runtime:
     def retention(self) -> Retention:
         """Retention on this process's pool; without LEDGER_ARCHIVE_URL it has no store and never runs."""
         url = self.settings.archive_url
-        return Retention(self.pool, self.settings.database_url, open_store(url) if url else None,
+        return Retention(self.pool, open_store(url) if url else None,
                          self.settings.retention_policy())
 
     @cached_property

@@ -121,7 +121,7 @@ def main() -> int:
         cleanup.add("pool", pool.close)
         from ledger.retention import READERS
 
-        runner = Retention(pool, url, store, policy, readers=args.readers or READERS)
+        runner = Retention(pool, store, policy, readers=args.readers or READERS)
         cpu_before = cpu_times()
         report = runner.run()
         busy = busy_share(cpu_before, cpu_times())

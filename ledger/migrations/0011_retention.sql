@@ -61,11 +61,6 @@ CREATE TABLE IF NOT EXISTS ledger.archive_files (
     created_at   timestamptz NOT NULL DEFAULT now()
 );
 
--- The failed_permanent window is counted from the failure (updated_at), the processed one
--- from processed_at (events_processed_at_idx).
-CREATE INDEX IF NOT EXISTS events_failed_permanent_updated_idx ON ledger.events (updated_at)
-    WHERE status = 'failed_permanent';
-
 -- Whether an event is past its retention window: processed ones counted from processing,
 -- failed_permanent ones from the failure. Every other status is never past it: an unfinished
 -- event (received, processing, failed_recoverable) stays however old it is. Inlined by the
@@ -86,9 +81,10 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
 $$;
 
 -- An event's row as JSON without its payload (which goes apart, as a string: below).
--- PL/pgSQL so that the payload is set aside before the row is written out.
+-- PL/pgSQL so that the payload is set aside before the row is written out. STABLE, not
+-- IMMUTABLE: a timestamptz is written in the session's time zone.
 CREATE OR REPLACE FUNCTION ledger.event_row_json(e ledger.events) RETURNS json
-LANGUAGE plpgsql IMMUTABLE AS $$
+LANGUAGE plpgsql STABLE AS $$
 BEGIN
     e.payload := NULL;
     RETURN row_to_json(e);

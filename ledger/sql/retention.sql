@@ -96,8 +96,10 @@ SELECT key, run_id, month, events, bytes, sha256, verified_at, removed, restored
   FROM ledger.archive_files
  ORDER BY month, created_at, key
 
--- name: event_restore_line
-SELECT ledger.event_restore_line(%(line)s) AS written
+-- name: events_restore_lines
+-- Archive lines back into the ledger, in one transaction: how many were written (an event the
+-- ledger has again is left as it is: ledger.event_restore_line).
+SELECT count(*) FILTER (WHERE ledger.event_restore_line(l)) AS written FROM unnest(%(lines)s::text[]) AS l
 
 -- name: retention_runs_recent
 SELECT id, runner, status, processed_days, failed_days, archived, removed, changed, kept_by_hold,

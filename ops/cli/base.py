@@ -56,7 +56,7 @@ class _Context:
         from ledger.retention import Retention
 
         url = self.settings.archive_url
-        return Retention(self.pool, self.settings.database_url, open_store(url) if url else None,
+        return Retention(self.pool, open_store(url) if url else None,
                          self.settings.retention_policy(), runner=f"ledgerctl:{_actor()}")
 
     def waker(self):

@@ -464,7 +464,7 @@ def test_the_overview_shows_the_latest_retention_runs_and_the_holds(app, kit, mi
 
     viewer = client_for(app, "vera")
     assert "no retention run yet" in viewer.get("/").text
-    report = Retention(kit.pool("retention"), kit.settings.database_url, DirectoryStore(tmp_path / "archive"),
+    report = Retention(kit.pool("retention"), DirectoryStore(tmp_path / "archive"),
                        RetentionPolicy(processed_days=30, failed_days=60)).run()
     overview = viewer.get("/").text
     row = overview[overview.index('<table id="retention">'):overview.index("hold(s) in force")]

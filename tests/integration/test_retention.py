@@ -25,7 +25,7 @@ def store(tmp_path):
 @pytest.fixture
 def retention(kit, settings, store):
     def make(*, policy: RetentionPolicy = RetentionPolicy(processed_days=30, failed_days=60), **kwargs):
-        return Retention(kit.pool("retention"), settings.database_url, store, policy, **kwargs)
+        return Retention(kit.pool("retention"), store, policy, **kwargs)
     return make
 
 
@@ -143,7 +143,7 @@ class TruncatingStore(DirectoryStore):
 def test_nothing_leaves_the_ledger_unless_its_archive_reads_back_whole(kit, settings, tmp_path, mixed_ledger):
     leave = mixed_ledger["leave"]
     before = ledger_rows(kit, leave)
-    runner = Retention(kit.pool("retention"), settings.database_url, TruncatingStore(tmp_path / "bad"),
+    runner = Retention(kit.pool("retention"), TruncatingStore(tmp_path / "bad"),
                        RetentionPolicy(processed_days=30, failed_days=60))
 
     report = runner.run()
@@ -155,7 +155,7 @@ def test_nothing_leaves_the_ledger_unless_its_archive_reads_back_whole(kit, sett
 
 
 def test_without_an_archive_nothing_leaves(kit, settings):
-    runner = Retention(kit.pool("retention"), settings.database_url, None, RetentionPolicy())
+    runner = Retention(kit.pool("retention"), None, RetentionPolicy())
     with pytest.raises(ConfigError, match="LEDGER_ARCHIVE_URL"):
         runner.run()
 
@@ -182,7 +182,7 @@ def test_the_sweep_runs_retention_on_its_schedule_and_counts_it(kit, settings, s
 
     on = dataclasses.replace(settings, archive_url=str(store.root), retention_interval_s=0.2,
                              retain_processed_days=30, retain_failed_days=60)
-    runner = Retention(kit.pool("retention"), on.database_url, store, on.retention_policy())
+    runner = Retention(kit.pool("retention", on), store, on.retention_policy())
     done = metrics.RETENTION_RUNS.labels("done")._value.get()
 
     Sweeper(WorkerLedger(kit.pool("sweep")), RecordingWaker(), make_celery(on), on,
@@ -202,7 +202,7 @@ def test_the_sweep_never_runs_retention_without_an_archive(kit, settings, mixed_
     from workers.sweep import Sweeper
 
     on = dataclasses.replace(settings, retention_interval_s=0.2)
-    runner = Retention(kit.pool("retention"), on.database_url, None, on.retention_policy())
+    runner = Retention(kit.pool("retention", on), None, on.retention_policy())
     Sweeper(WorkerLedger(kit.pool("sweep")), RecordingWaker(), make_celery(on), on,
             retention=runner).run_forever(stop_after=0.5)
     assert runner.recent_runs() == []

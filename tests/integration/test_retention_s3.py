@@ -28,7 +28,7 @@ def s3_store(s3_server, monkeypatch):
 def test_retention_archives_to_a_bucket_and_restores_from_it(kit, settings, s3_store, mixed_ledger):
     leave = mixed_ledger["leave"]
     before = ledger_rows(kit, leave)
-    runner = Retention(kit.pool("retention"), settings.database_url, s3_store,
+    runner = Retention(kit.pool("retention"), s3_store,
                        RetentionPolicy(processed_days=30, failed_days=60))
 
     report = runner.run()

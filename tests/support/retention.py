@@ -86,7 +86,7 @@ def mixed_ledger(kit):
     kit.execute("INSERT INTO ledger.audit (event_id, action, actor, reason, from_status) "
                 "VALUES (%s, 'replay', 'ops@example.test', 'fix', 'failed_permanent')", (ids["failed_old"],))
     kit.execute("INSERT INTO ledger.deliveries (event_id, source) VALUES (%s, 'catchup')", (ids["processed_old"],))
-    holds = Retention(kit.pool("retention"), kit.settings.database_url, None, RetentionPolicy())
+    holds = Retention(kit.pool("retention"), None, RetentionPolicy())
     ids["event_hold"] = holds.hold(event_id=ids["held_by_id"], reason="dispute", actor="ops@example.test")
     holds.hold(customer_id="cus_held", reason="the customer asked", actor="ops@example.test")
     ids["leave"] = {ids[k] for k in ("processed_old", "processed_old_2", "failed_old", "effect_sent")}
