@@ -32,6 +32,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from psycopg import sql as pgsql
 from psycopg.rows import tuple_row
 
 from ledger.archive import (ArchiveStore, ArchiveWriter, Chunk, Manifest, MANIFEST_SUFFIX, fetch_verified,
@@ -136,18 +137,21 @@ class Retention:
         started = time.monotonic()
         writers: dict[str, ArchiveWriter] = {}
 
-        def read(first: int) -> dict[str, Chunk]:
+        def read(piece: tuple[str, int]) -> dict[str, Chunk]:
+            relation, first = piece
             by_month: dict[str, list[tuple[str, str]]] = {}
-            for event_id, month, line in run_statement(self._pool, SQL.retention_candidates, {
+            candidates = pgsql.SQL(SQL.retention_candidates).format(relation=pgsql.Identifier(*relation.split(".")))
+            for event_id, month, line in run_statement(self._pool, candidates, {
                     **self.policy.params(), "first_block": first, "end_block": first + self._slice_blocks},
                     row_factory=tuple_row):
                 by_month.setdefault(month, []).append((event_id, line))
             return {month: Chunk.of(rows) for month, rows in by_month.items()}
         try:
-            blocks = self._all(SQL.events_heap_blocks)[0]["blocks"]
-            # Slices read (and compressed) on several connections at once, appended in the table's order.
+            pieces = [(heap["relation"], first) for heap in self._all(SQL.events_heap_blocks)
+                      for first in range(0, heap["blocks"], self._slice_blocks)]
+            # Slices read (and compressed) on several connections at once, appended in the tables' order.
             with ThreadPoolExecutor(max_workers=self._readers, thread_name_prefix="retention-read") as readers:
-                for chunks in readers.map(read, range(0, blocks, self._slice_blocks)):
+                for chunks in readers.map(read, pieces):
                     for month, chunk in chunks.items():
                         writer = writers.get(month)
                         if writer is None:

@@ -58,13 +58,16 @@ HEALTH_ALERTS = Counter("stripe_health_alerts_total",
 # and the events they archived and removed. The ledger-wide view is the gauges below, from ledger.retention_runs.
 RETENTION_RUNS = Counter("retention_runs_total", "Retention runs started by this process, by outcome", ["status"])
 RETENTION_EVENTS = Counter("retention_events_total", "Events retention archived and removed", ["action"])
+# Partition upkeep passes of this sweep (ledger/partitions.py), by outcome (done, failed).
+PARTITION_PASSES = Counter("partition_passes_total", "Partition upkeep passes run by this process", ["outcome"])
 
 
 class LedgerCollector:
     """Gauges read from ledger.events at scrape time (only the small unfinished set, plus status counts)."""
 
-    def __init__(self, operator, outbox=None, reconcile=None, queue_depths=None, retention=None):
+    def __init__(self, operator, outbox=None, reconcile=None, queue_depths=None, retention=None, partitions=None):
         self._operator = operator
+        self._partitions = partitions
         self._outbox = outbox
         self._reconcile = reconcile
         self._retention = retention
@@ -77,6 +80,7 @@ class LedgerCollector:
             outbox = self._outbox.stats() if self._outbox is not None else None
             drift = self._reconcile.drift_by_type() if self._reconcile is not None else None
             kept = self._retention.health() if self._retention is not None and self._retention.store else None
+            planned = self._partitions.health() if self._partitions is not None else None
         except Exception:
             return  # Postgres unreachable: no gauges this scrape rather than wrong ones
         if outbox is not None:
@@ -109,6 +113,13 @@ class LedgerCollector:
                                     value=kept["last_success_s"] or 0.0)
             yield GaugeMetricFamily("retention_last_run_failed", "1 while the latest retention run failed",
                                     value=1.0 if kept["last_failed"] else 0.0)
+        if planned is not None and planned.partitioned:
+            yield GaugeMetricFamily("ledger_partitions_months_ahead",
+                                    "Months after the current one whose ledger partitions exist",
+                                    value=planned.months_ahead)
+            yield GaugeMetricFamily("ledger_partition_strays",
+                                    "Events outside every planned partition (in the default one, of a month "
+                                    "no retention run dropped)", value=planned.strays)
         if drift is not None:
             objects = GaugeMetricFamily("reconcile_drift_objects",
                                         "Objects that drifted from Stripe in the latest reconcile run of their type",
@@ -123,17 +134,19 @@ class LedgerCollector:
 
 
 def registry_for_export(operator=None, outbox=None, reconcile=None, queue_depths=None,
-                        retention=None) -> CollectorRegistry:
+                        retention=None, partitions=None) -> CollectorRegistry:
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
     else:
         registry = REGISTRY
     if operator is not None:
-        registry.register(LedgerCollector(operator, outbox, reconcile, queue_depths, retention))
+        registry.register(LedgerCollector(operator, outbox, reconcile, queue_depths, retention, partitions))
     return registry
 
 
-def serve(port: int, operator=None, outbox=None, reconcile=None, queue_depths=None, retention=None) -> None:
+def serve(port: int, operator=None, outbox=None, reconcile=None, queue_depths=None, retention=None,
+          partitions=None) -> None:
     """Expose /metrics on ``port`` from a background thread of this process."""
-    start_http_server(port, registry=registry_for_export(operator, outbox, reconcile, queue_depths, retention))
+    start_http_server(port, registry=registry_for_export(operator, outbox, reconcile, queue_depths, retention,
+                                                                 partitions))

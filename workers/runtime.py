@@ -11,6 +11,7 @@ from ledger.db import ProcessPool
 from ledger.liveness import Liveness
 from ledger.outbox import OutboxLedger
 from ledger.attempts import WorkerLedger
+from ledger.partitions import Partitions
 from ledger.retention import Retention
 from workers.dispatcher import OutboxDispatcher
 from workers.effects import Sender, load_senders
@@ -75,9 +76,13 @@ class Runtime:
                          self.settings.retention_policy())
 
     @cached_property
+    def partitions(self) -> Partitions:
+        return Partitions(self.pool)
+
+    @cached_property
     def sweeper(self) -> Sweeper:
         return Sweeper(self.ledger, self.waker, self.celery, self.settings, outbox=self.outbox, rescuer=self.rescuer,
-                       retention=self.retention)
+                       retention=self.retention, partitions=self.partitions)
 
 
 def sweep_process(settings: Settings, *, operator=None, outbox: OutboxLedger | None = None) -> Sweeper:
@@ -97,6 +102,6 @@ def sweep_process(settings: Settings, *, operator=None, outbox: OutboxLedger | N
 
         queues = (settings.queue_name, effects_queue(settings.queue_name))
         serve(settings.metrics_port, operator=operator, outbox=outbox or runtime.outbox,
-              reconcile=ReconcileRuns(runtime.pool), retention=runtime.retention,
+              reconcile=ReconcileRuns(runtime.pool), retention=runtime.retention, partitions=runtime.partitions,
               queue_depths=lambda: {queue: queue_depth(runtime.celery, queue) for queue in queues})
     return runtime.sweeper

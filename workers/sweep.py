@@ -23,7 +23,9 @@ runs at a time, the others skip it.
 With LEDGER_ARCHIVE_URL set, ``run_forever`` also runs retention (ledger/retention.py) on a
 thread of its own every LEDGER_RETENTION_INTERVAL_S (0: never; ``ledgerctl retention run``
 still does): final events past their window archived, then removed. Several sweepers may
-run it: one run at a time holds the lock, the others skip theirs.
+run it: one run at a time holds the lock, the others skip theirs. On the same thread, before
+each run (and at least hourly, archive or not), the ledger's monthly partitions are made
+ahead of time (ledger/partitions.py).
 """
 from __future__ import annotations
 
@@ -37,12 +39,16 @@ from celery import Celery
 from ledger.config import Settings
 from ledger.outbox import OutboxLedger
 from ledger.attempts import WorkerLedger
+from ledger.partitions import Partitions
 from ledger.retention import Retention
 from workers import metrics
 from workers.rescue import Rescuer
 from workers.wakeup import Waker
 
 log = logging.getLogger(__name__)
+
+# Partitions are looked after at least this often, whatever the retention schedule.
+PARTITIONS_INTERVAL_S = 3600.0
 
 
 def queue_depth(celery: Celery, queue: str) -> int | None:
@@ -80,6 +86,8 @@ class Sweeper:
     rescuer: Rescuer | None = None
     # Archives, then removes, final events past their window (only with LEDGER_ARCHIVE_URL set).
     retention: Retention | None = None
+    # Makes the ledger's monthly partitions ahead of time (ledger/partitions.py).
+    partitions: Partitions | None = None
 
     def run_once(self, *, rescue: bool = True) -> SweepResult:
         if rescue and self.rescuer is not None:
@@ -147,13 +155,22 @@ class Sweeper:
         return thread
 
     def _start_retention(self, stop: threading.Event) -> threading.Thread | None:
+        """Upkeep on the retention schedule: the partitions ahead of time (always, every hour at least), then
+        the retention run (with an archive set and a non-zero interval)."""
         interval = self.settings.retention_interval_s
-        if self.retention is None or self.retention.store is None or not interval:
+        retention = self.retention if self.retention is not None and self.retention.store is not None and interval \
+            else None
+        if retention is None and self.partitions is None:
             return None
-        retention = self.retention
+        partitions = self.partitions
 
         def run():
             while not stop.is_set():
+                if partitions is not None:
+                    self._ensure_partitions(partitions)
+                if retention is None:
+                    stop.wait(min(interval or PARTITIONS_INTERVAL_S, PARTITIONS_INTERVAL_S))
+                    continue
                 try:
                     report = retention.run()
                 except Exception as exc:  # the run records its own failures; this is Postgres being away
@@ -172,5 +189,19 @@ class Sweeper:
                 stop.wait(interval)
         thread = threading.Thread(target=run, name="retention", daemon=True)
         thread.start()
-        log.info("retention on", extra={"interval_s": interval, "archive": retention.store.url})
+        if retention is not None:
+            log.info("retention on", extra={"interval_s": interval, "archive": retention.store.url})
         return thread
+
+    @staticmethod
+    def _ensure_partitions(partitions: Partitions) -> None:
+        try:
+            made = partitions.ensure()
+        except Exception as exc:  # a lock not granted within its second, Postgres away: the next pass makes them
+            metrics.PARTITION_PASSES.labels("failed").inc()
+            log.warning("partitions not made this pass; the next one will try again",
+                        extra={"error_class": type(exc).__name__})
+            return
+        metrics.PARTITION_PASSES.labels("done").inc()
+        if made:
+            log.info("partitions made ahead of time", extra={"partitions": made})

@@ -64,12 +64,12 @@ SELECT 'evt_' || left(md5(n::text), 24),
                             ELSE 'processed' END AS status) s
 """
 DELIVERIES = """
-INSERT INTO ledger.deliveries (event_id, delivered_at, source)
-SELECT id, received_at, CASE WHEN hashtext(id) %% 50 = 0 THEN 'catchup' ELSE 'webhook' END FROM ledger.events
+INSERT INTO ledger.deliveries (event_id, event_created, delivered_at, source)
+SELECT id, stripe_created, received_at, CASE WHEN hashtext(id) %% 50 = 0 THEN 'catchup' ELSE 'webhook' END FROM ledger.events
 """
 ATTEMPTS = """
-INSERT INTO ledger.attempts (event_id, attempt, worker, lease_owner, started_at, finished_at, outcome, error_class)
-SELECT id, 1, 'bench:0', 'bench:0', updated_at, updated_at, status, 'BenchError'
+INSERT INTO ledger.attempts (event_id, event_created, attempt, worker, lease_owner, started_at, finished_at, outcome, error_class)
+SELECT id, stripe_created, 1, 'bench:0', 'bench:0', updated_at, updated_at, status, 'BenchError'
   FROM ledger.events WHERE status IN ('failed_permanent', 'failed_recoverable')
 """
 

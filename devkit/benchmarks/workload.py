@@ -184,7 +184,7 @@ def load_received(url: str, events: list[BacklogEvent], *, status_sql: str | Non
                                     e.api_version, e.account, e.body))
             with conn.cursor().copy(SQL.bench_backlog_copy_deliveries) as copy:
                 for e in events:
-                    copy.write_row((e.id,))
+                    copy.write_row((e.id, datetime.fromtimestamp(e.created, tz=timezone.utc)))
             if status_sql:
                 conn.execute(status_sql, {"ids": [e.id for e in events]})
         conn.execute(SQL.bench_analyze_events)

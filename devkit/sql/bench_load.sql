@@ -12,7 +12,7 @@ COPY ledger.events (id, type, stripe_created, livemode, api_version, account, pa
 
 -- name: bench_backlog_copy_deliveries
 -- One delivery each, as event_record_delivery appends it.
-COPY ledger.deliveries (event_id) FROM STDIN
+COPY ledger.deliveries (event_id, event_created) FROM STDIN
 
 -- name: bench_analyze_events
 -- Statistics for the new rows before anything is measured on them.
@@ -71,14 +71,16 @@ SELECT x.id, (%(types)s::text[])[1 + g %% 10], 'processed', 1,
 
 -- name: bench_history_deliveries
 -- One delivery per event.
-INSERT INTO ledger.deliveries (event_id, delivered_at)
-SELECT 'evt_' || substr(md5('e' || g), 1, 24), now() - interval '400 days' + g * interval '30 seconds'
+INSERT INTO ledger.deliveries (event_id, event_created, delivered_at)
+SELECT 'evt_' || substr(md5('e' || g), 1, 24), now() - interval '400 days' + g * interval '30 seconds',
+       now() - interval '400 days' + g * interval '30 seconds'
   FROM generate_series(0, %(total)s::integer - 1) AS g
 
 -- name: bench_history_attempts
 -- One processed attempt per event.
-INSERT INTO ledger.attempts (event_id, attempt, worker, lease_owner, started_at, finished_at, outcome)
-SELECT 'evt_' || substr(md5('e' || g), 1, 24), 1, 'history:1', 'history',
+INSERT INTO ledger.attempts (event_id, event_created, attempt, worker, lease_owner, started_at, finished_at, outcome)
+SELECT 'evt_' || substr(md5('e' || g), 1, 24), now() - interval '400 days' + g * interval '30 seconds', 1,
+       'history:1', 'history',
        now() - interval '400 days' + g * interval '30 seconds' + interval '50 ms',
        now() - interval '400 days' + g * interval '30 seconds' + interval '150 ms', 'processed'
   FROM generate_series(0, %(total)s::integer - 1) AS g

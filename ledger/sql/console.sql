@@ -83,8 +83,8 @@ WITH job AS (
     ON CONFLICT (preview_id) DO NOTHING
     RETURNING id
 ), chosen AS (
-    INSERT INTO ledger.replay_job_events (job_id, event_id)
-    SELECT job.id, e.id FROM job, ledger.events e WHERE {where}
+    INSERT INTO ledger.replay_job_events (job_id, event_id, event_created)
+    SELECT job.id, e.id, e.stripe_created FROM job, ledger.events e WHERE {where}
     RETURNING event_id
 )
 SELECT (SELECT id FROM job) AS id, (SELECT count(*) FROM chosen) AS total

@@ -11,20 +11,26 @@
 -- conflict with the worker's NO KEY UPDATE lock.
 -- No row back means a concurrent copy committed the id after this statement's
 -- snapshot was taken: the caller reads it with event_delivery_status.
-WITH inserted AS (
+-- On a partitioned ledger the key is (id, stripe_created), and Stripe's `created` is the
+-- same on every copy of an event, so a copy meets its first one in the same partition
+-- (ON CONFLICT); the NOT EXISTS makes an id already there, whatever its time, a
+-- duplicate too (docs/guarantee.md, "Dedupe across partitions").
+WITH existing AS (
+    SELECT status, lease_expires_at, stripe_created FROM ledger.events WHERE id = %(id)s
+), inserted AS (
     INSERT INTO ledger.events (id, type, stripe_created, livemode, api_version, account, payload)
-    VALUES (%(id)s, %(type)s, to_timestamp(%(created)s), %(livemode)s, %(api_version)s,
-            %(account)s, %(payload)s::json)
-    ON CONFLICT (id) DO NOTHING
+    SELECT %(id)s, %(type)s, to_timestamp(%(created)s), %(livemode)s, %(api_version)s,
+           %(account)s, %(payload)s::json
+     WHERE NOT EXISTS (SELECT 1 FROM existing)
+    ON CONFLICT DO NOTHING
     RETURNING status, lease_expires_at
 ), delivery AS (
-    INSERT INTO ledger.deliveries (event_id, source) VALUES (%(id)s, %(source)s)
+    INSERT INTO ledger.deliveries (event_id, event_created, source)
+    VALUES (%(id)s, coalesce((SELECT stripe_created FROM existing), to_timestamp(%(created)s)), %(source)s)
 )
 SELECT true AS inserted, status, false AS lease_expired FROM inserted
 UNION ALL
-SELECT false, status, coalesce(lease_expires_at < now(), false)
-  FROM ledger.events
- WHERE id = %(id)s AND NOT EXISTS (SELECT 1 FROM inserted)
+SELECT false, status, coalesce(lease_expires_at < now(), false) FROM existing
 
 -- name: event_delivery_status
 -- Receiver: status of an id a concurrent delivery inserted (see event_record_delivery).
@@ -91,8 +97,8 @@ WITH claimable AS (
      WHERE event_id IN (SELECT id FROM claimed) AND outcome = 'running'
  RETURNING event_id
 ), opened AS (
-    INSERT INTO ledger.attempts (event_id, attempt, worker, lease_owner)
-    SELECT id, attempts, %(worker)s, %(lease_owner)s FROM claimed
+    INSERT INTO ledger.attempts (event_id, event_created, attempt, worker, lease_owner)
+    SELECT id, stripe_created, attempts, %(worker)s, %(lease_owner)s FROM claimed
 )
 SELECT claimed.*, claimed.id IN (SELECT event_id FROM closed) AS rescued FROM claimed
 

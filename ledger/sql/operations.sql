@@ -78,7 +78,7 @@ SELECT e.id
 -- says who, why, and which replay job (NULL: none). A processed event whose payload retention
 -- removed cannot be replayed.
 WITH target AS (
-    SELECT id, status
+    SELECT id, status, stripe_created
       FROM ledger.events
      WHERE id = %(id)s
        AND (status IN ('failed_permanent', 'failed_recoverable')
@@ -94,8 +94,8 @@ WITH target AS (
       FROM target
      WHERE e.id = target.id
 ), audited AS (
-    INSERT INTO ledger.audit (event_id, action, actor, reason, from_status, replay_job_id)
-    SELECT id, 'replay', %(actor)s, %(reason)s, status, %(replay_job_id)s FROM target
+    INSERT INTO ledger.audit (event_id, event_created, action, actor, reason, from_status, replay_job_id)
+    SELECT id, stripe_created, 'replay', %(actor)s, %(reason)s, status, %(replay_job_id)s FROM target
 )
 SELECT id, status AS from_status FROM target
 

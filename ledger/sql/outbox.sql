@@ -5,8 +5,9 @@
 -- name: outbox_record
 -- Handler, inside the apply transaction: record an effect once per idempotency key.
 -- No row back means the key was already recorded (the event is being re-applied).
-INSERT INTO ledger.outbox (idempotency_key, effect, event_id, ordering_key, payload)
-VALUES (%(idempotency_key)s, %(effect)s, %(event_id)s, %(ordering_key)s, %(payload)s)
+INSERT INTO ledger.outbox (idempotency_key, effect, event_id, event_created, ordering_key, payload)
+VALUES (%(idempotency_key)s, %(effect)s, %(event_id)s,
+        (SELECT stripe_created FROM ledger.events WHERE id = %(event_id)s), %(ordering_key)s, %(payload)s)
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING id
 

@@ -28,19 +28,24 @@ UPDATE ledger.retention_runs
  WHERE id = %(run_id)s AND status = 'running'
 
 -- name: events_heap_blocks
--- How far a run reads: the table's size in blocks when it starts (later rows are new).
-SELECT pg_relation_size('ledger.events') / current_setting('block_size')::bigint AS blocks
+-- How far a run reads: each table holding events (ledger.events itself, or each of its
+-- partitions) and its size in blocks when the run starts (later rows are new).
+SELECT relid::text AS relation, pg_relation_size(relid) / current_setting('block_size')::bigint AS blocks
+  FROM pg_partition_tree('ledger.events')
+ WHERE isleaf
+ ORDER BY relid::text
 
 -- name: retention_candidates
 -- The events past their window in a range of the table's blocks (a TID range scan: each
 -- statement reads a bounded slice of the heap in physical order, no index, no sort, no
 -- snapshot held between slices), each with the month of its `created` (its archive file)
 -- and its archive line. Excluded: an event with an effect still to deliver, and a held one
--- (by id, or by the customer its payload names).
+-- (by id, or by the customer its payload names). {relation}: one of events_heap_blocks'
+-- (a TID range means something in one heap, not across a partitioned table's).
 SELECT l.id, l.month, l.line
   FROM ledger.event_archive_lines(ARRAY(
         SELECT e.id
-          FROM ledger.events e
+          FROM {relation} e
          WHERE e.ctid >= format('(%%s,0)', %(first_block)s::bigint)::tid
            AND e.ctid < format('(%%s,0)', %(end_block)s::bigint)::tid
            AND ledger.event_past_window(e.status, e.processed_at, e.updated_at, %(processed_days)s, %(failed_days)s)

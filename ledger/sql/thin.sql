@@ -5,9 +5,9 @@
 -- notification: the alert and what was done about it. Keyed by the notification's id, so a
 -- replay of the notification (which refetches and re-applies the object) keeps the first row.
 -- A row back: this attempt recorded it (its log line and metric follow the COMMIT).
-INSERT INTO ledger.health_alerts (event_id, alert_id, failed_event_type, related_object_type, related_object_id,
-                                  account, livemode, severity, summary, resolved_at, repair)
-VALUES (%(event_id)s, %(alert_id)s, %(failed_event_type)s, %(related_object_type)s, %(related_object_id)s,
+INSERT INTO ledger.health_alerts (event_id, event_created, alert_id, failed_event_type, related_object_type,
+                                  related_object_id, account, livemode, severity, summary, resolved_at, repair)
+VALUES (%(event_id)s, (SELECT stripe_created FROM ledger.events WHERE id = %(event_id)s), %(alert_id)s, %(failed_event_type)s, %(related_object_type)s, %(related_object_id)s,
         %(account)s, %(livemode)s, %(severity)s, %(summary)s, %(resolved_at)s, %(repair)s)
 ON CONFLICT (event_id) DO NOTHING
 RETURNING event_id
@@ -25,6 +25,6 @@ SELECT event_id, alert_id, failed_event_type, related_object_type, related_objec
 -- version of a snapshot event: the pair, so that catch-up counts the snapshot id as known and
 -- inspection finds the rows (they carry the snapshot id). The first notification of a snapshot
 -- id keeps it; a second one (a replay) records nothing new.
-INSERT INTO ledger.snapshot_twins (snapshot_event_id, event_id)
-VALUES (%(snapshot_event_id)s, %(event_id)s)
+INSERT INTO ledger.snapshot_twins (snapshot_event_id, event_id, event_created)
+VALUES (%(snapshot_event_id)s, %(event_id)s, (SELECT stripe_created FROM ledger.events WHERE id = %(event_id)s))
 ON CONFLICT (snapshot_event_id) DO NOTHING

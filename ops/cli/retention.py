@@ -187,3 +187,38 @@ def archive_restore(obj: _Context, key: str, yes: bool):
     except ArchiveError as exc:
         _archive_failed(exc)
     click.echo(f"{key}: {written} events restored, {present} already in the ledger")
+
+
+@cli.group(invoke_without_command=True)
+@json_option
+@click.pass_context
+def partitions(ctx: click.Context, as_json: bool):
+    """The ledger's monthly partitions: which months exist, how many are ready ahead, strays."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from ledger.partitions import Partitions
+
+    upkeep = Partitions(ctx.obj.pool)
+    health, listed = upkeep.health(), upkeep.listed()
+    if as_json:
+        _echo_json({**dataclasses.asdict(health), "partitions": listed})
+        return
+    if not health.partitioned:
+        click.echo("ledger.events is not partitioned (a ledger that had events before migration 0012): "
+                   "see docs/retention.md, \"Partitions\"")
+        return
+    _table(listed, ["name", "starts", "ends", "is_default"])
+    click.echo(f"months ready after this one: {health.months_ahead}; events outside every planned month: "
+               f"{health.strays}")
+
+
+@partitions.command("ensure")
+@click.option("--ahead", type=click.IntRange(0, 36), default=None,
+              help="Months after the current one to make (default: what the sweep makes).")
+@click.pass_obj
+def partitions_ensure(obj: _Context, ahead: int | None):
+    """Make this month's partitions and the months ahead now (the sweep does it every hour)."""
+    from ledger.partitions import AHEAD, Partitions
+
+    made = Partitions(obj.pool).ensure(AHEAD if ahead is None else ahead)
+    click.echo("made: " + ", ".join(made) if made else "nothing to make: every month is there")

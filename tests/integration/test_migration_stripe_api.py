@@ -65,5 +65,5 @@ def test_a_delivery_records_its_source_and_only_a_known_one(db, kit):
         {"source": "webhook"}, {"source": "catchup"}]
     with pytest.raises(psycopg.errors.CheckViolation, match="deliveries_source_known"):
         with psycopg.connect(db, autocommit=True) as conn:
-            conn.execute("INSERT INTO ledger.deliveries (event_id, source) VALUES (%s, 'carrier pigeon')",
-                         (evt["id"],))
+            conn.execute("INSERT INTO ledger.deliveries (event_id, event_created, source) "
+                         "VALUES (%s, to_timestamp(%s), 'carrier pigeon')", (evt["id"], evt["created"]))

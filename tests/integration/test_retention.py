@@ -88,7 +88,8 @@ def test_an_event_that_changed_after_it_was_archived_stays(kit, retention, mixed
     redelivered = mixed_ledger["processed_old_2"]
 
     def redelivery(manifest):
-        kit.execute("INSERT INTO ledger.deliveries (event_id, source) VALUES (%s, 'webhook')", (redelivered,))
+        kit.execute("INSERT INTO ledger.deliveries (event_id, event_created, source) "
+                    "SELECT id, stripe_created, 'webhook' FROM ledger.events WHERE id = %s", (redelivered,))
 
     report = retention(before_removal=redelivery).run()
 

@@ -79,13 +79,15 @@ def mixed_ledger(kit):
     ids["effect_pending"] = processed(kit, a_customer_event(old + 10), days_ago=45)
     ids["effect_sent"] = processed(kit, a_customer_event(old + 11), days_ago=45)
     for event_id, status, sent in ((ids["effect_pending"], "pending", None), (ids["effect_sent"], "sent", "now()")):
-        kit.execute("INSERT INTO ledger.outbox (idempotency_key, effect, event_id, payload, status, sent_at) "
-                    f"VALUES (%s, 'test.effect', %s, '{{\"n\": 1}}', %s, {sent or 'NULL'})",
-                    (f"{event_id}:test.effect", event_id, status))
+        kit.execute("INSERT INTO ledger.outbox (idempotency_key, effect, event_id, event_created, payload, status, sent_at) "
+                    f"SELECT %s, 'test.effect', id, stripe_created, '{{\"n\": 1}}', %s, {sent or 'NULL'} "
+                    "FROM ledger.events WHERE id = %s", (f"{event_id}:test.effect", status, event_id))
     # An operator's replay in its audit, and a second delivery: rows that must leave and come back too.
-    kit.execute("INSERT INTO ledger.audit (event_id, action, actor, reason, from_status) "
-                "VALUES (%s, 'replay', 'ops@example.test', 'fix', 'failed_permanent')", (ids["failed_old"],))
-    kit.execute("INSERT INTO ledger.deliveries (event_id, source) VALUES (%s, 'catchup')", (ids["processed_old"],))
+    kit.execute("INSERT INTO ledger.audit (event_id, event_created, action, actor, reason, from_status) "
+                "SELECT id, stripe_created, 'replay', 'ops@example.test', 'fix', 'failed_permanent' "
+                "FROM ledger.events WHERE id = %s", (ids["failed_old"],))
+    kit.execute("INSERT INTO ledger.deliveries (event_id, event_created, source) "
+                "SELECT id, stripe_created, 'catchup' FROM ledger.events WHERE id = %s", (ids["processed_old"],))
     holds = Retention(kit.pool("retention"), None, RetentionPolicy())
     ids["event_hold"] = holds.hold(event_id=ids["held_by_id"], reason="dispute", actor="ops@example.test")
     holds.hold(customer_id="cus_held", reason="the customer asked", actor="ops@example.test")
