@@ -88,6 +88,31 @@ SABOTAGES = (
           "        OR (status IN ('failed_permanent', 'failed_recoverable') AND updated_at"),),
         ("tests/integration/test_retention.py",)),
     Sabotage(
+        "dedupe-by-partition-key-alone",
+        "event_record_delivery (ledger/sql/events.sql) no longer looks an id up before inserting it: a copy of an "
+        "event with another `created` goes to another partition and becomes a second event",
+        (("ledger/sql/events.sql",
+          "     WHERE NOT EXISTS (SELECT 1 FROM existing)\n",
+          "     WHERE true\n"),),
+        ("tests/integration/test_partitions.py",)),
+    Sabotage(
+        "partition-drop-loses-kept-events",
+        "a month's partitions are dropped without moving what they still held to the default partition "
+        "(ledger.partition_drop, ledger/migrations/0012_partitions.sql): held, unfinished and failed events "
+        "in a month past the processed window are lost",
+        (("ledger/migrations/0012_partitions.sql",
+          "        EXECUTE format('INSERT INTO ledger.%I SELECT * FROM ledger.%I', t.name,",
+          "        EXECUTE format('INSERT INTO ledger.%I SELECT * FROM ledger.%I WHERE false', t.name,"),),
+        ("tests/integration/test_retention.py",)),
+    Sabotage(
+        "partition-migration-loses-updates",
+        "the online partition migration's mirror (ledger.partition_migration_mirror, migration 0012) no longer "
+        "copies updates of events: a claim or a finish made while the twins fill is lost at the swap",
+        (("ledger/migrations/0012_partitions.sql",
+          "    CREATE TRIGGER partition_mirror AFTER INSERT OR UPDATE OR DELETE ON ledger.events",
+          "    CREATE TRIGGER partition_mirror AFTER INSERT OR DELETE ON ledger.events"),),
+        ("tests/e2e/test_partition_migration.py",)),
+    Sabotage(
         "group-wakeup-answers-before-its-publish",
         "the receiver's grouped wake-ups wake the requests of a group before their message is published "
         "(Grouping._lead, workers/grouping.py): a request may answer enqueued before the broker took its wake-up",

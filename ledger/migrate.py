@@ -58,12 +58,15 @@ def applied_migrations(conn: psycopg.Connection) -> dict[int, tuple[str, str]]:
     return {version: (name, checksum) for version, name, checksum in rows}
 
 
-def migrate(dsn: str) -> list[Migration]:
-    """Apply every pending migration; return those applied by this call."""
+def migrate(dsn: str, *, upto: int | None = None) -> list[Migration]:
+    """Apply every pending migration (up to version ``upto``: the schema of the release whose last
+    migration it is); return those applied by this call."""
     migrations = available_migrations()
     applied_now = []
     with psycopg.connect(dsn, autocommit=True) as conn:
         for migration in migrations:
+            if upto is not None and migration.version > upto:
+                break
             with conn.transaction():
                 conn.execute(SQL.migration_lock)
                 conn.execute(SQL.migration_history_create)

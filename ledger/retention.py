@@ -32,7 +32,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from psycopg import sql as pgsql
+from psycopg import errors, sql as pgsql
 from psycopg.rows import tuple_row
 
 from ledger.archive import (ArchiveStore, ArchiveWriter, Chunk, Manifest, MANIFEST_SUFFIX, fetch_verified,
@@ -52,6 +52,10 @@ REMOVE_TARGET_S = 0.2
 SLICE_BLOCKS = 1024
 # Connections reading slices at once: Postgres builds lines on one while this process compresses.
 READERS = 2
+# Dropping a month's partitions takes the ledger tables' exclusive lock: waited for at most this long
+# (a receiver's insert queues behind the waiting drop meanwhile), then tried again, DROP_TRIES times a run.
+DROP_LOCK_MS = 200
+DROP_TRIES = 3
 
 
 @dataclass
@@ -71,6 +75,11 @@ class RunReport:
     store_s: float = 0.0
     remove_s: float = 0.0
     longest_removal_s: float = 0.0
+    # Months whose partitions left as tables (a partitioned ledger), the events they still held moved
+    # to the default partition, and the longest of those transactions (the tables' lock hold).
+    partitions_dropped: int = 0
+    kept_in_default: int = 0
+    longest_drop_s: float = 0.0
 
 
 class Retention:
@@ -122,7 +131,8 @@ class Retention:
             finally:
                 report.seconds = time.monotonic() - started
                 self._all(SQL.retention_run_finish, {"run_id": run_id, "status": report.status,
-                                                     "error": report.error, "kept_by_hold": report.kept_by_hold})
+                                                     "error": report.error, "kept_by_hold": report.kept_by_hold,
+                                                     "partitions_dropped": report.partitions_dropped})
             return report
 
     def _archive_and_remove(self, report: RunReport) -> None:
@@ -130,6 +140,32 @@ class Retention:
             writers = self._archive(report, Path(tmp))
             for month in sorted(writers):
                 self._store_and_remove(report, month, writers[month], Path(tmp))
+        self._drop_months(report)
+
+    def _drop_months(self, report: RunReport) -> None:
+        """The months past the processed window leave as tables, now that their events did (only after
+        every month's archive was verified and removed: a run that failed before never gets here)."""
+        for row in self._all(SQL.partitions_past_window, self.policy.params()):
+            for attempt in range(DROP_TRIES):
+                started = time.monotonic()
+                try:
+                    dropped = self._all(SQL.partition_drop, {"month": row["month"], "run_id": report.run_id,
+                                                             "lock_ms": DROP_LOCK_MS})
+                except errors.LockNotAvailable:
+                    # A transaction on the ledger held on past DROP_LOCK_MS: let it finish, then try again;
+                    # after DROP_TRIES, the next run does.
+                    time.sleep(DROP_LOCK_MS / 1000 * (attempt + 1))
+                    continue
+                if not dropped:  # another runner's, or a restore's, month: gone already
+                    break
+                [kept] = dropped
+                report.longest_drop_s = max(report.longest_drop_s, time.monotonic() - started)
+                report.partitions_dropped += 1
+                report.kept_in_default += kept["kept_events"]
+                log.info("month's partitions dropped", extra={"run_id": report.run_id, "month": str(row["month"]),
+                                                              "kept_events": kept["kept_events"],
+                                                              "kept_rows": kept["kept_rows"]})
+                break
 
     def _archive(self, report: RunReport, tmp: Path) -> dict[str, ArchiveWriter]:
         """Every event past its window into its month's file: the table read once, a slice of blocks

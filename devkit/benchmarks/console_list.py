@@ -27,7 +27,7 @@ from pathlib import Path
 import psycopg
 import requests
 
-from devkit.benchmarks.stack import migrated_database
+from devkit.benchmarks.stack import migrated_database, partition_months
 from devkit.procs import REPO, Cleanup
 from devkit.stack import Console, stack_env
 
@@ -107,6 +107,7 @@ def cpu_times() -> list[int]:
 
 def fill(url: str, total: int) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
+        partition_months(conn, 60)
         step = 200_000
         for first in range(1, total + 1, step):
             last = min(total, first + step - 1)
@@ -184,13 +185,14 @@ def main() -> int:
     parser.add_argument("--events", type=int, default=1_000_000)
     parser.add_argument("--requests", type=int, default=60, help="timed requests per page")
     parser.add_argument("--docs", action="store_true", help="write the result into docs/benchmarks.md")
+    parser.add_argument("--partitioned", action="store_true", help="partition the ledger first (by month)")
     args = parser.parse_args()
     from ops.console.auth import hash_password
 
     work = Path(tempfile.mkdtemp(prefix="ledger-console-bench-"))
     cleanup = Cleanup("console-bench")
     try:
-        url = migrated_database(cleanup, "console_bench")
+        url = migrated_database(cleanup, "console_bench", partitioned=args.partitioned)
         print(f"filling {args.events:,} events", flush=True)
         fill(url, args.events)
         env = stack_env(url, "redis://127.0.0.1:6379/15", {

@@ -22,7 +22,7 @@ from pathlib import Path
 import psycopg
 
 from devkit.benchmarks.console_list import busy_share, cpu_times
-from devkit.benchmarks.stack import migrated_database
+from devkit.benchmarks.stack import migrated_database, partition_months
 from devkit.procs import Cleanup
 
 TARGET_ARCHIVE_EPS = 20_000
@@ -74,6 +74,7 @@ def filler() -> str:
 
 def fill(url: str, total: int) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
+        partition_months(conn, DAYS)
         step = 250_000
         items = filler()
         for first in range(1, total + 1, step):
@@ -92,6 +93,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=3_000_000)
     parser.add_argument("--s3", action="store_true", help="archive into a bucket of a moto server process")
+    parser.add_argument("--partitioned", action="store_true", help="partition the ledger first (by month)")
     parser.add_argument("--readers", type=int, default=None, help="connections reading slices at once "
                         "(default: ledger.retention.READERS)")
     args = parser.parse_args()
@@ -103,7 +105,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="ledger-retention-bench-"))
     cleanup = Cleanup("retention-bench")
     try:
-        url = migrated_database(cleanup, "retention_bench")
+        url = migrated_database(cleanup, "retention_bench", partitioned=args.partitioned)
         print(f"filling {args.events:,} events over {DAYS} days", flush=True)
         fill(url, args.events)
         if args.s3:
@@ -138,10 +140,13 @@ retention run {report.status} on {args.events:,} events ({'S3, moto server' if a
   archive rate: {archive_eps:,.0f} events/s (target >= {TARGET_ARCHIVE_EPS:,}: {verdict})
   removed {report.removed:,} in {report.remove_s:.1f} s = {report.removed / report.remove_s if report.remove_s else 0:,.0f} events/s;
   longest removal transaction {report.longest_removal_s * 1000:.0f} ms
+  months dropped as tables {report.partitions_dropped}, their kept events moved to the default partition \
+{report.kept_in_default:,}; longest drop transaction {report.longest_drop_s * 1000:.0f} ms
   whole run {report.seconds:.1f} s; machine busy {busy:.0%}; events left {left:,}
 SUMMARY retention events={args.events} archived={report.archived} archive_eps={archive_eps:.0f} \
 read_s={report.read_s:.2f} store_s={report.store_s:.2f} remove_s={report.remove_s:.2f} \
-longest_removal_ms={report.longest_removal_s * 1000:.0f} bytes={archive_bytes} busy={busy:.2f}""", flush=True)
+longest_removal_ms={report.longest_removal_s * 1000:.0f} partitions_dropped={report.partitions_dropped} \
+longest_drop_ms={report.longest_drop_s * 1000:.0f} bytes={archive_bytes} busy={busy:.2f}""", flush=True)
         return 0 if report.status == "done" else 1
     finally:
         cleanup.run()

@@ -36,9 +36,9 @@ def bench_postgres() -> PrivatePostgres:
     return PrivatePostgres(dir=Path(tempfile.mkdtemp(prefix="ledger-bench-pg-")), options=POSTGRES_OPTIONS)
 
 
-def migrated_database(cleanup, name: str) -> str:
-    """A started bench server (destroyed by ``cleanup``) holding database ``name`` with the ledger's schema;
-    its URL."""
+def migrated_database(cleanup, name: str, *, partitioned: bool = False) -> str:
+    """A started bench server (destroyed by ``cleanup``) holding database ``name`` with the ledger's schema
+    (``partitioned``: then partitioned, as ``ledgerctl partitions migrate`` does it); its URL."""
     import psycopg
 
     from ledger.migrate import migrate
@@ -50,7 +50,25 @@ def migrated_database(cleanup, name: str) -> str:
         conn.execute(f"CREATE DATABASE {name}")
     url = pg.url_for(name)
     migrate(url)
+    if partitioned:
+        from ledger.config import Settings
+        from ledger.db import ProcessPool
+        from ledger.partition_migration import PartitionMigration
+
+        pool = ProcessPool(Settings(database_url=url), name="bench-partitions")
+        try:
+            PartitionMigration(pool).run()
+        finally:
+            pool.close()
     return url
+
+
+def partition_months(conn, days: float) -> None:
+    """On a partitioned ledger, a partition for every month of the last ``days`` (as a migrated ledger has for
+    its history; a new one starts at the month 31 days back): made before the rows are written."""
+    conn.execute("SELECT ledger.partition_create(m::date) FROM generate_series(date_trunc('month', now() - "
+                 "make_interval(days => %(days)s + 1)), date_trunc('month', now()), interval '1 month') m "
+                 "WHERE ledger.is_partitioned()", {"days": int(days)})
 
 
 class WorkerFleet:

@@ -24,15 +24,30 @@ UPDATE ledger.retention_runs
 -- name: retention_run_finish
 -- running -> done | failed (a failed run says why).
 UPDATE ledger.retention_runs
-   SET status = %(status)s, error = %(error)s, kept_by_hold = %(kept_by_hold)s, finished_at = now()
+   SET status = %(status)s, error = %(error)s, kept_by_hold = %(kept_by_hold)s,
+       partitions_dropped = %(partitions_dropped)s, finished_at = now()
  WHERE id = %(run_id)s AND status = 'running'
+
+-- name: partitions_past_window
+-- The months whose every processed event is past its window: once their events left (this
+-- run's removals), their partitions can go (partition_drop). Oldest first.
+SELECT starts::date AS month
+  FROM ledger.event_partitions()
+ WHERE NOT is_default AND ends < now() - make_interval(days => %(processed_days)s)
+ ORDER BY starts
+
+-- name: partition_drop
+-- One month's partitions detached and dropped, what they still held moved to the default
+-- partition (ledger.partition_drop): the events and rows moved.
+SELECT kept_events, kept_rows FROM ledger.partition_drop(%(month)s, %(run_id)s, %(lock_ms)s)
 
 -- name: events_heap_blocks
 -- How far a run reads: each table holding events (ledger.events itself, or each of its
 -- partitions) and its size in blocks when the run starts (later rows are new).
 SELECT relid::text AS relation, pg_relation_size(relid) / current_setting('block_size')::bigint AS blocks
-  FROM pg_partition_tree('ledger.events')
- WHERE isleaf
+  FROM (SELECT relid FROM pg_partition_tree('ledger.events') WHERE isleaf
+        UNION ALL  -- a plain table is no tree: itself
+        SELECT 'ledger.events'::regclass WHERE NOT ledger.is_partitioned()) heaps
  ORDER BY relid::text
 
 -- name: retention_candidates
@@ -78,17 +93,34 @@ VALUES (%(key)s, %(run_id)s, %(month)s, %(events)s, %(bytes)s, %(sha256)s, now()
 SELECT e.id FROM ledger.events e WHERE e.id = ANY (%(ids)s::text[]) ORDER BY e.id FOR UPDATE
 
 -- name: events_remove_archived
--- Archived and verified -> gone, with every row that names them (ON DELETE CASCADE): only
--- an event whose archive line is still what the file holds. One that changed since (a
--- delivery appended, a replay) stays, and the next run archives it again.
+-- Archived and verified -> gone, with every row that names them (here: on a partitioned ledger
+-- they name their event without a foreign key, so no cascade takes them): only an event whose
+-- archive line is still what the file holds.
+-- One that changed since (a delivery appended, a replay) stays, and the next run archives it again.
 WITH archived AS (
     SELECT a.id, a.fingerprint FROM unnest(%(ids)s::text[], %(fingerprints)s::text[]) AS a(id, fingerprint)
 ), unchanged AS (
     SELECT l.id FROM ledger.event_archive_lines(%(ids)s::text[]) AS l
       JOIN archived a ON a.id = l.id AND a.fingerprint = md5(l.line)
+), gone AS (
+    DELETE FROM ledger.events e USING unchanged u WHERE e.id = u.id
+    RETURNING e.id
+), deliveries AS (
+    DELETE FROM ledger.deliveries x USING gone g WHERE x.event_id = g.id
+), attempts AS (
+    DELETE FROM ledger.attempts x USING gone g WHERE x.event_id = g.id
+), audit AS (
+    DELETE FROM ledger.audit x USING gone g WHERE x.event_id = g.id
+), outbox AS (
+    DELETE FROM ledger.outbox x USING gone g WHERE x.event_id = g.id
+), health_alerts AS (
+    DELETE FROM ledger.health_alerts x USING gone g WHERE x.event_id = g.id
+), snapshot_twins AS (
+    DELETE FROM ledger.snapshot_twins x USING gone g WHERE x.event_id = g.id
+), replay_job_events AS (
+    DELETE FROM ledger.replay_job_events x USING gone g WHERE x.event_id = g.id
 )
-DELETE FROM ledger.events e USING unchanged u WHERE e.id = u.id
-RETURNING e.id
+SELECT id FROM gone
 
 -- name: archive_file_removed
 UPDATE ledger.archive_files SET removed = removed + %(removed)s WHERE key = %(key)s
@@ -108,7 +140,7 @@ SELECT count(*) FILTER (WHERE ledger.event_restore_line(l)) AS written FROM unne
 
 -- name: retention_runs_recent
 SELECT id, runner, status, processed_days, failed_days, archived, removed, changed, kept_by_hold,
-       files, error, started_at, finished_at,
+       files, partitions_dropped, error, started_at, finished_at,
        extract(epoch FROM coalesce(finished_at, now()) - started_at) AS seconds
   FROM ledger.retention_runs
  ORDER BY id DESC

@@ -84,8 +84,8 @@ def retention_status(obj: _Context, limit: int, as_json: bool):
         return
     click.echo(f"processed events kept {policy.processed_days} days, failed_permanent {policy.failed_days} days; "
                f"archive: {runner.store.url if runner.store else 'none (LEDGER_ARCHIVE_URL unset: nothing leaves)'}")
-    _table(runs, ["id", "status", "archived", "removed", "changed", "kept_by_hold", "files", "seconds",
-                  "started_at", "runner", "error"])
+    _table(runs, ["id", "status", "archived", "removed", "changed", "kept_by_hold", "files", "partitions_dropped",
+                  "seconds", "started_at", "runner", "error"])
     click.echo(f"{len(holds)} hold(s) in force")
 
 
@@ -204,8 +204,8 @@ def partitions(ctx: click.Context, as_json: bool):
         _echo_json({**dataclasses.asdict(health), "partitions": listed})
         return
     if not health.partitioned:
-        click.echo("ledger.events is not partitioned (a ledger that had events before migration 0012): "
-                   "see docs/retention.md, \"Partitions\"")
+        click.echo("ledger.events is not partitioned: ledgerctl partitions migrate partitions it, online "
+                   "(docs/retention.md, \"Partitions\")")
         return
     _table(listed, ["name", "starts", "ends", "is_default"])
     click.echo(f"months ready after this one: {health.months_ahead}; events outside every planned month: "
@@ -220,5 +220,44 @@ def partitions_ensure(obj: _Context, ahead: int | None):
     """Make this month's partitions and the months ahead now (the sweep does it every hour)."""
     from ledger.partitions import AHEAD, Partitions
 
-    made = Partitions(obj.pool).ensure(AHEAD if ahead is None else ahead)
+    upkeep = Partitions(obj.pool)
+    if not upkeep.health().partitioned:
+        click.echo("ledger.events is not partitioned: nothing to make (ledgerctl partitions migrate partitions it)")
+        return
+    made = upkeep.ensure(AHEAD if ahead is None else ahead)
     click.echo("made: " + ", ".join(made) if made else "nothing to make: every month is there")
+
+
+@partitions.command("migrate")
+@click.option("--abort", is_flag=True, help="Give up a migration before its swap: the tables stay as they were.")
+@json_option
+@click.pass_obj
+def partitions_migrate(obj: _Context, abort: bool, as_json: bool):
+    """Partition a ledger that had events before migration 0012, online: the receiver and the workers keep
+    running; their writes wait only for the final swap (docs/retention.md, "Moving an existing ledger").
+    Run again after an interruption: it resumes. Exits 4 while another process runs it."""
+    from ledger.errors import MigrationError
+    from ledger.partition_migration import AnotherMigration, PartitionMigration
+
+    def progress(phase: str, done: int) -> None:
+        if not as_json and done % 100_000 < 5_000:
+            click.echo(f"{phase}: {done} copied", err=True)
+    migration = PartitionMigration(obj.pool, progress=progress)
+    try:
+        report = migration.abort() if abort else migration.run()
+    except AnotherMigration as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(ANOTHER_RUNNER)
+    except MigrationError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    if as_json:
+        _echo_json(dataclasses.asdict(report))
+    elif report.status == "already":
+        click.echo("ledger.events is partitioned already: nothing to do")
+    elif report.status == "aborted":
+        click.echo("aborted: the partitioned copies and the triggers are gone; the tables are as they were")
+    else:
+        click.echo(f"done in {report.seconds:.1f} s: {report.events} events, {report.attempts} attempts, "
+                   f"{report.deliveries} deliveries copied; the swap held the tables for "
+                   f"{report.swap_s * 1000:.0f} ms")

@@ -15,7 +15,7 @@ from ingest.app import create_app
 from ledger.config import Settings
 from tests.support.ledger_fixtures import (broker_settings, effects_table, kit, ledgerctl_cli,  # noqa: F401
                                            prepared_ledger)
-from tests.support.retention import mixed_ledger  # noqa: F401
+from tests.support.retention import mixed_ledger, partitioned_kit  # noqa: F401
 from tests.support.receiver import WakeupQueue, drop_queue
 
 

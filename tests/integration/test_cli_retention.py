@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from ledger.migrate import migrate
 from tests.support.retention import ledger_rows
 
 
@@ -69,3 +70,25 @@ def test_prune_refuses_on_a_ledger_with_an_archive(kit, ledgerctl_cli, archive_e
     result = ledgerctl_cli("prune", "--older-than", "31d", env=archive_env, code=2)
     assert "LEDGER_ARCHIVE_URL is set" in result.output
     assert kit.query("SELECT count(*) AS n FROM ledger.events WHERE payload IS NULL")[0]["n"] == 0
+
+
+def test_partitions_from_the_command_line_migrate_list_and_make_months(kit, ledgerctl_cli, fresh_db):
+    assert "is not partitioned" in ledgerctl_cli("partitions").stdout
+    assert "is not partitioned" in ledgerctl_cli("partitions", "ensure").stdout
+    assert json.loads(ledgerctl_cli("partitions", "--json").stdout)["partitioned"] is False
+
+    migrate(fresh_db)
+    own = {"DATABASE_URL": fresh_db}
+    done = json.loads(ledgerctl_cli("partitions", "migrate", "--json", env=own).stdout)
+    assert done["status"] == "done"
+    assert "partitioned already" in ledgerctl_cli("partitions", "migrate", env=own).stdout
+    before = json.loads(ledgerctl_cli("partitions", "--json", env=own).stdout)
+    assert before["partitioned"] and before["partitions"][-1]["name"] == "events_default"
+    ahead = before["months_ahead"]
+    made = ledgerctl_cli("partitions", "ensure", "--ahead", str(ahead + 1), env=own).stdout
+    assert made.startswith("made: events_")
+    assert "nothing to make" in ledgerctl_cli("partitions", "ensure", "--ahead", str(ahead + 1), env=own).stdout
+    listed = ledgerctl_cli("partitions", env=own).stdout
+    assert f"months ready after this one: {ahead + 1}" in listed and "events_default" in listed
+    assert "Invalid value" in ledgerctl_cli("partitions", "ensure", "--ahead", "-1", code=2).stderr
+    assert "nothing to abort" in ledgerctl_cli("partitions", "migrate", "--abort", code=1, env=own).stderr

@@ -1,17 +1,20 @@
-"""The ledger's time partitions on real Postgres (migration 0012, ledger/partitions.py): a new ledger is
-partitioned by month of Stripe's `created`, the months ahead are made by the sweep's upkeep, and an event id
-is a duplicate whichever partition, month or delivery brings it again (docs/guarantee.md, "Dedupe across
-partitions")."""
+"""The ledger's time partitions on real Postgres (migration 0012, ledger/partitions.py,
+ledger/partition_migration.py): a partitioned ledger by month of Stripe's `created`, the months ahead made by
+the sweep's upkeep, an event id a duplicate whichever partition, month or delivery brings it again
+(docs/guarantee.md, "Dedupe across partitions"), and the migration that partitions a ledger."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
 from datetime import datetime, timezone
 
 import psycopg
+import pytest
 
 from devkit.factories import event
+from ledger.errors import MigrationError
 from ledger.migrate import migrate
 from ledger.partitions import AHEAD, PartitionHealth, Partitions
 from workers.processor import Outcome
@@ -28,7 +31,8 @@ def _partition_of(kit, event_id: str) -> str:
     return kit.query("SELECT tableoid::regclass::text AS p FROM ledger.events WHERE id = %s", (event_id,))[0]["p"]
 
 
-def test_a_new_ledger_is_partitioned_by_month_of_stripe_created(kit):
+def test_a_partitioned_ledger_is_partitioned_by_month_of_stripe_created(partitioned_kit):
+    kit = partitioned_kit
     kinds = {r["relname"]: r["relkind"] for r in kit.query(
         "SELECT relname, relkind FROM pg_class WHERE relnamespace = 'ledger'::regnamespace "
         "AND relname IN ('events', 'deliveries', 'attempts', 'outbox', 'audit')")}
@@ -47,10 +51,11 @@ def test_a_new_ledger_is_partitioned_by_month_of_stripe_created(kit):
     assert Partitions(kit.pool()).health().strays == 1
 
 
-def test_a_redelivery_months_later_is_a_duplicate_and_changes_nothing(kit):
+def test_a_redelivery_months_later_is_a_duplicate_and_changes_nothing(partitioned_kit):
     """The first delivery in one month, processed; Stripe (or a catch-up) brings it again weeks later, after the
     upkeep made new months, once with its own `created` and once with another (an altered copy): neither is a
     second event, a second attempt or a second effect."""
+    kit = partitioned_kit
     created = int(time.time()) - 20 * DAY
     first = event("test.effect", {"id": "obj_once"}, created=created)
     evt_id = kit.record(first)
@@ -70,7 +75,8 @@ def test_a_redelivery_months_later_is_a_duplicate_and_changes_nothing(kit):
     assert kit.effects(evt_id) == 1
 
 
-def test_the_upkeep_makes_the_months_ahead_once_however_many_sweeps_run_it(kit):
+def test_the_upkeep_makes_the_months_ahead_once_however_many_sweeps_run_it(partitioned_kit):
+    kit = partitioned_kit
     upkeep = Partitions(kit.pool())
     ahead = upkeep.health().months_ahead
     assert ahead >= AHEAD
@@ -79,7 +85,8 @@ def test_the_upkeep_makes_the_months_ahead_once_however_many_sweeps_run_it(kit):
     assert upkeep.health().months_ahead == ahead + 2
 
 
-def test_two_sweeps_making_the_same_months_at_once_make_each_once(kit):
+def test_two_sweeps_making_the_same_months_at_once_make_each_once(partitioned_kit):
+    kit = partitioned_kit
     upkeep = [Partitions(kit.pool(f"sweep{n}")) for n in range(2)]
     ahead = upkeep[0].health().months_ahead
     results, errors = [], []
@@ -101,8 +108,8 @@ def test_two_sweeps_making_the_same_months_at_once_make_each_once(kit):
 
 def test_a_ledger_that_had_events_keeps_its_shape_and_keeps_working(fresh_db, settings):
     """Migration 0012 on a ledger with events adds columns only (no rewrite, no lock held for a copy): the
-    ledger stays a plain table until the online migration, and the receiver, the workers and the upkeep
-    work on it as they did."""
+    ledger stays a plain table until an operator partitions it, and the receiver, the workers and the
+    upkeep work on it as they did."""
     from dataclasses import replace as replace_settings
 
     from tests.integration.test_migration_stripe_api import migrate_to
@@ -132,3 +139,77 @@ def test_a_ledger_that_had_events_keeps_its_shape_and_keeps_working(fresh_db, se
         assert kit.deliveries(old["id"]) == 3
     finally:
         kit.close()
+
+
+def _old_ledger(fresh_db: str, events: int = 300) -> None:
+    """A ledger of the release before partitions with ``events`` processed events (a delivery and an attempt
+    each), then migration 0012 (columns only)."""
+    migrate(fresh_db, upto=11)
+    with psycopg.connect(fresh_db, autocommit=True) as conn:
+        conn.execute(f"""
+            INSERT INTO ledger.events (id, type, status, attempts, stripe_created, livemode, payload, processed_at)
+            SELECT 'evt_old' || g, 'test.effect', 'processed', 1, now() - g * interval '3 days', false,
+                   json_build_object('n', g), now()
+              FROM generate_series(1, {events}) g""")
+        conn.execute("INSERT INTO ledger.deliveries (event_id, delivered_at) "
+                     "SELECT id, now() - interval '1 hour' FROM ledger.events")
+        conn.execute("INSERT INTO ledger.attempts (event_id, attempt, worker, lease_owner, finished_at, outcome) "
+                     "SELECT id, 1, 'w', 'w', now(), 'processed' FROM ledger.events")
+    migrate(fresh_db)
+
+
+def _pool(settings, url):
+    from ledger.db import ProcessPool
+
+    return ProcessPool(dataclasses.replace(settings, database_url=url), name="partition-migration-test")
+
+
+def test_an_interrupted_migration_resumes_where_it_stood_and_runs_once_at_a_time(fresh_db, settings):
+    from ledger.partition_migration import AnotherMigration, PartitionMigration
+    from ledger.statements import run_statement
+
+    _old_ledger(fresh_db)
+    pool = _pool(settings, fresh_db)
+    try:
+        # Stopped after its triggers were made (the twins half empty): run again, it resumes.
+        run_statement(pool, "SELECT ledger.partition_migration_twins(ARRAY[date_trunc('month', now())::date])")
+        run_statement(pool, "SELECT ledger.partition_migration_mirror()")
+        run_statement(pool, "INSERT INTO ledger.events_partitioned SELECT * FROM ledger.events LIMIT 10")
+        migration = PartitionMigration(pool, batch=50)
+        assert migration.state()["phase"] == "mirroring"
+        with psycopg.connect(fresh_db, autocommit=True) as other:
+            other.execute("SELECT pg_advisory_lock(hashtextextended('ledger.partition_migration', 0))")
+            with pytest.raises(AnotherMigration):
+                migration.run()
+        report = migration.run()
+        assert (report.status, report.events, report.attempts, report.deliveries) == ("done", 300, 300, 300)
+        with psycopg.connect(fresh_db) as conn:
+            assert conn.execute("SELECT ledger.is_partitioned()").fetchone()[0]
+            # The one month made here (the interrupted run's), and the default partition for the others.
+            assert conn.execute("SELECT count(*), count(DISTINCT tableoid) FROM ledger.events").fetchone() == (300, 2)
+            assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgname = 'partition_mirror'").fetchone()[0] == 0
+        assert migration.run().status == "already"
+        with pytest.raises(MigrationError, match="nothing to abort"):
+            migration.abort()
+    finally:
+        pool.close()
+
+
+def test_a_migration_given_up_before_its_swap_leaves_the_tables_as_they_were(fresh_db, settings):
+    from ledger.partition_migration import PartitionMigration
+    from ledger.statements import run_statement
+
+    _old_ledger(fresh_db, events=50)
+    pool = _pool(settings, fresh_db)
+    try:
+        run_statement(pool, "SELECT ledger.partition_migration_twins(ARRAY[date_trunc('month', now())::date])")
+        run_statement(pool, "SELECT ledger.partition_migration_mirror()")
+        assert PartitionMigration(pool).abort().status == "aborted"
+        with psycopg.connect(fresh_db) as conn:
+            assert not conn.execute("SELECT ledger.is_partitioned()").fetchone()[0]
+            assert conn.execute("SELECT count(*) FROM pg_class WHERE relname LIKE '%\\_partitioned'").fetchone()[0] == 0
+            assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgname = 'partition_mirror'").fetchone()[0] == 0
+            assert conn.execute("SELECT count(*) FROM ledger.events").fetchone()[0] == 50
+        assert PartitionMigration(pool).run().status == "done"
+    finally:
+        pool.close()

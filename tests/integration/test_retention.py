@@ -12,8 +12,9 @@ import pytest
 
 from ledger.archive import DirectoryStore, read_lines
 from ledger.errors import ConfigError
+from ledger.partitions import Partitions
 from ledger.retention import Retention, RetentionPolicy
-from tests.support.retention import ledger_rows
+from tests.support.retention import build_mixed_ledger, ledger_rows
 from tests.support.workers import RecordingWaker
 
 
@@ -207,3 +208,48 @@ def test_the_sweep_never_runs_retention_without_an_archive(kit, settings, mixed_
     Sweeper(WorkerLedger(kit.pool("sweep")), RecordingWaker(), make_celery(on), on,
             retention=runner).run_forever(stop_after=0.5)
     assert runner.recent_runs() == []
+
+
+def test_a_month_past_the_window_leaves_as_tables_and_what_it_kept_stays_exactly(partitioned_kit, store):
+    kit = partitioned_kit
+    # The month of the mixed ledger's events (~200 days old, older than the months a partitioned ledger
+    # starts with) as a partition of its own, made before they are recorded.
+    month = kit.query("SELECT date_trunc('month', now() - interval '200 days')::date AS m")[0]["m"]
+    kit.execute("SELECT ledger.partition_create(%s)", (month,))
+    mixed_ledger = build_mixed_ledger(kit)
+    name = f"events_{month:%Y_%m}"
+    everything = {v for v in mixed_ledger.values() if isinstance(v, str)}
+    assert {r["p"] for r in kit.query("SELECT DISTINCT tableoid::regclass::text AS p FROM ledger.events")} == {
+        f"ledger.{name}"}
+    leave = mixed_ledger["leave"]
+    kept = everything - leave
+    before = ledger_rows(kit, everything)
+    runner = Retention(kit.pool("retention"), store, RetentionPolicy(processed_days=30, failed_days=60))
+
+    report = runner.run()
+
+    assert report.status == "done", report.error
+    assert (report.removed, report.partitions_dropped, report.kept_in_default) == (len(leave), 1, len(kept))
+    gone = kit.query("SELECT to_regclass(%s) AS e, to_regclass(%s) AS d, to_regclass(%s) AS a",
+                     (f"ledger.{name}", f"ledger.deliveries_{month:%Y_%m}", f"ledger.attempts_{month:%Y_%m}"))[0]
+    assert gone == {"e": None, "d": None, "a": None}
+    # What the month kept is in the default partition, every row as it was, and still deduplicates.
+    assert ledger_rows(kit, kept) == _only(before, kept)
+    assert {r["p"] for r in kit.query("SELECT DISTINCT tableoid::regclass::text AS p FROM ledger.events")} == {
+        "ledger.events_default"}
+    assert kit.query("SELECT month, kept, run_id FROM ledger.dropped_partitions") == [
+        {"month": month, "kept": len(kept), "run_id": report.run_id}]
+    assert Partitions(kit.pool()).health().strays == 0  # kept on purpose, not strays
+    [run] = runner.recent_runs(1)
+    assert run["partitions_dropped"] == 1
+
+    [key] = report.files
+    assert runner.restore(key) == (len(leave), 0)
+    assert ledger_rows(kit, everything) == before
+    assert runner.run().partitions_dropped == 0
+
+
+def _only(rows: dict[str, list[str]], ids) -> dict[str, list[str]]:
+    """ledger_rows' rows of these events alone."""
+    return {table: [r for r in found if json.loads(r).get("id" if table == "events" else "event_id") in ids]
+            for table, found in rows.items()}

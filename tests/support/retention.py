@@ -59,6 +59,32 @@ def ledger_rows(kit, ids) -> dict[str, list[str]]:
 @pytest.fixture
 def mixed_ledger(kit):
     """Events in every state, old and new; ``leave`` are the ones retention (30 / 60 days) may remove."""
+    return build_mixed_ledger(kit)
+
+
+@pytest.fixture
+def partitioned_kit(fresh_db, settings):
+    """A LedgerKit on a database of its own, migrated and partitioned (``ledgerctl partitions migrate`` on
+    an empty ledger): the session's database keeps the shape a ledger has before an operator chooses."""
+    import dataclasses
+
+    import psycopg
+
+    from ledger.migrate import migrate
+    from ledger.partition_migration import PartitionMigration
+    from tests.support.handlers_for_tests import ensure_test_tables
+    from tests.support.workers import LedgerKit
+
+    migrate(fresh_db)
+    with psycopg.connect(fresh_db, autocommit=True) as conn:
+        ensure_test_tables(conn)
+    k = LedgerKit(dataclasses.replace(settings, database_url=fresh_db))
+    assert PartitionMigration(k.pool("migration")).run().status == "done"
+    yield k
+    k.close()
+
+
+def build_mixed_ledger(kit) -> dict:
     old = int(time.time()) - 200 * DAY
     ids = {}
     ids["processed_old"] = processed(kit, a_customer_event(old), days_ago=45)
