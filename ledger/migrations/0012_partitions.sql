@@ -402,7 +402,7 @@ BEGIN
         FOR EACH ROW EXECUTE FUNCTION ledger.partition_mirror_events();
     CREATE TRIGGER partition_mirror AFTER INSERT OR UPDATE OR DELETE ON ledger.attempts
         FOR EACH ROW EXECUTE FUNCTION ledger.partition_mirror_attempts();
-    -- Deliveries are only ever inserted (and deleted with their event: the twin's cascade).
+    -- Deliveries are only ever inserted (and deleted with their event: the events mirror removes them).
     CREATE TRIGGER partition_mirror AFTER INSERT ON ledger.deliveries
         FOR EACH ROW EXECUTE FUNCTION ledger.partition_mirror_deliveries();
     since := clock_timestamp();
