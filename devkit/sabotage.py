@@ -113,6 +113,15 @@ SABOTAGES = (
           "    CREATE TRIGGER partition_mirror AFTER INSERT OR DELETE ON ledger.events"),),
         ("tests/e2e/test_partition_migration.py",)),
     Sabotage(
+        "partition-backfill-never-gives-way",
+        "the online partition migration's backfill batches wait for writers' locks without a limit and are not "
+        "run again when Postgres breaks a deadlock on them (ledger/partition_migration.py): a worker's claim "
+        "that copies events the batch is copying deadlocks with it, and the migration or the claim fails",
+        (("ledger/partition_migration.py", "BATCH_LOCK_MS = 100\n", "BATCH_LOCK_MS = 0\n"),
+         ("ledger/partition_migration.py", "GAVE_WAY = (errors.LockNotAvailable, errors.DeadlockDetected)\n",
+          "GAVE_WAY = ()\n")),
+        ("tests/integration/test_partitions.py",)),
+    Sabotage(
         "group-wakeup-answers-before-its-publish",
         "the receiver's grouped wake-ups wake the requests of a group before their message is published "
         "(Grouping._lead, workers/grouping.py): a request may answer enqueued before the broker took its wake-up",

@@ -12,10 +12,14 @@ The receiver and the workers keep running throughout. The steps, each resumable:
    while copied: a concurrent delete waits, a concurrent update's trigger leaves the newer row),
    deliveries recorded before ``mirrored_from`` by heap slice (those after are the triggers').
    Then every table naming an event gets its event_created, under a CHECK validated before the swap.
+   A batch gives way to the writers: it waits at most ``BATCH_LOCK_MS`` for a lock, well inside
+   Postgres' deadlock_timeout, then rolls back and runs again. A writer's trigger may be waiting for
+   the copies the batch made while the batch waits for that writer's row (a sweep's redrive, a
+   retention delete); the batch, not the writer, is the one that goes.
 4. **Verify**: each table's rows counted with its twin's in one snapshot, without a lock (a write and
    its mirror commit together); a difference refuses the swap.
-5. **Swap**, in one transaction: the tables locked exclusively (waiting at most ``LOCK_MS``, then
-   retried), set aside and the twins renamed into place. Its lock is the only wait a writer sees.
+5. **Swap**, in one transaction: the tables and those naming events locked exclusively, events
+   first as every writer takes them (waiting at most ``LOCK_MS``, then retried), set aside and the twins renamed into place. Its lock is the only wait a writer sees.
    Names only (the tables set aside as ``<name>_before_partitions``): no row is read or written.
 6. **Cleanup**: the tables set aside dropped (unlinking their files takes a while, under locks
    nobody else needs).
@@ -44,6 +48,12 @@ SLICE_BLOCKS = 1024
 # meanwhile), and how often it tries.
 LOCK_MS = 500
 LOCK_TRIES = 20
+# A backfill batch's longest wait for a writer's lock (then it rolls back and runs again), and how
+# often it runs again before the migration stops (resumable) and says which writer kept the rows.
+BATCH_LOCK_MS = 100
+BATCH_TRIES = 200
+# What a step that gave way met: a lock wait it gave up, or a deadlock Postgres broke on it.
+GAVE_WAY = (errors.LockNotAvailable, errors.DeadlockDetected)
 
 
 class AnotherMigration(Exception):
@@ -60,6 +70,7 @@ class MigrationReport:
     seconds: float = 0.0
     swap_s: float = 0.0               # the swap transaction: the tables' exclusive lock, held
     lock_waits: int = 0               # lock timeouts met (each a wait of LOCK_MS at most)
+    gave_way: int = 0                 # backfill batches rolled back for a writer, then run again
     phases: dict[str, float] = field(default_factory=dict)
 
 
@@ -67,7 +78,7 @@ class PartitionMigration:
     def __init__(self, pool: ProcessPool, *, batch: int = BATCH,
                  progress: Callable[[str, int], None] | None = None):
         self._pool = pool
-        self._batch = batch
+        self._batch_size = batch
         self._progress = progress or (lambda phase, done: None)
 
     def _all(self, statement, params: dict | None = None) -> list[dict[str, Any]]:
@@ -133,17 +144,32 @@ class PartitionMigration:
         for attempt in range(LOCK_TRIES):
             try:
                 return step()
-            except errors.LockNotAvailable:
+            except GAVE_WAY:
                 # A transaction on the tables held on: let it end, then wait again (never longer than LOCK_MS).
                 report.lock_waits += 1
                 time.sleep(min(2.0, LOCK_MS / 1000 * (attempt + 1)))
         raise MigrationError(f"the ledger's tables stayed locked by others through {LOCK_TRIES} tries of "
                              f"{LOCK_MS} ms: run it again when no long transaction holds them")
 
+    def _batch(self, report: MigrationReport, statement, params: dict) -> tuple[list[dict[str, Any]], int]:
+        """One backfill statement in a transaction of its own that waits at most BATCH_LOCK_MS for a lock:
+        its rows and its row count. Every batch is idempotent, so one that gave way runs again."""
+        for attempt in range(BATCH_TRIES):
+            try:
+                with self._pool.get().connection() as conn, conn.transaction():
+                    conn.execute(SQL.partition_migration_lock_timeout, {"lock_ms": BATCH_LOCK_MS})
+                    cursor = conn.cursor(row_factory=dict_row).execute(statement, params)
+                    return (cursor.fetchall() if cursor.description else []), cursor.rowcount
+            except GAVE_WAY:
+                report.gave_way += 1
+                time.sleep(min(1.0, 0.02 * (attempt + 1)))
+        raise MigrationError(f"a backfill batch gave way to the ledger's writers {BATCH_TRIES} times "
+                             f"(a transaction held its rows): run it again, it resumes where it stood")
+
     def _backfill_events(self, report: MigrationReport) -> None:
         after = ""
         while True:
-            [row] = self._all(SQL.partition_backfill_events, {"after": after, "batch": self._batch})
+            [row], _ = self._batch(report, SQL.partition_backfill_events, {"after": after, "batch": self._batch_size})
             if not row["read"]:
                 return
             report.events += row["read"]
@@ -154,17 +180,16 @@ class PartitionMigration:
         self._all(SQL.partition_backfill_deliveries_reset, {"since": since})
         blocks = self._all(SQL.partition_backfill_deliveries_blocks)[0]["blocks"]
         for first in range(0, blocks + 1, SLICE_BLOCKS):
-            with self._pool.get().connection() as conn:
-                copied = conn.execute(SQL.partition_backfill_deliveries, {
-                    "first_block": first, "end_block": first + SLICE_BLOCKS, "since": since}).rowcount
+            _, copied = self._batch(report, SQL.partition_backfill_deliveries, {
+                "first_block": first, "end_block": first + SLICE_BLOCKS, "since": since})
             report.deliveries += copied
             self._progress("deliveries", report.deliveries)
 
     def _backfill_attempts(self, report: MigrationReport) -> None:
         after_event, after_attempt = "", 0
         while True:
-            [row] = self._all(SQL.partition_backfill_attempts, {
-                "after_event": after_event, "after_attempt": after_attempt, "batch": self._batch})
+            [row], _ = self._batch(report, SQL.partition_backfill_attempts, {
+                "after_event": after_event, "after_attempt": after_attempt, "batch": self._batch_size})
             if not row["read"]:
                 return
             report.attempts += row["read"]
@@ -174,18 +199,23 @@ class PartitionMigration:
     def _backfill_dependents(self, report: MigrationReport) -> None:
         for table in self._all(SQL.partition_dependents_guard):
             try:
-                self._all(table["ddl"])
+                # Adding the CHECK stops the table's writers while it waits: at most LOCK_MS.
+                self._with_lock(report, lambda: self._ddl(table["ddl"]))
             except errors.DuplicateObject:
                 pass  # a migration run before this one added it
             statement = pgsql.SQL(SQL.partition_dependents_backfill).format(
                 table=pgsql.Identifier("ledger", table["name"]))
             while True:
-                with self._pool.get().connection() as conn:
-                    updated = conn.execute(statement, {"batch": self._batch}).rowcount
+                _, updated = self._batch(report, statement, {"batch": self._batch_size})
                 report.dependents += updated
                 if not updated:
                     break
-            self._all(table["validate"])
+            self._with_lock(report, lambda: self._ddl(table["validate"]))
+
+    def _ddl(self, statement: str) -> None:
+        with self._pool.get().connection() as conn, conn.transaction():
+            conn.execute(SQL.partition_migration_lock_timeout, {"lock_ms": LOCK_MS})
+            conn.execute(statement)
 
     def _verify(self) -> None:
         """Every table and its twin hold as many rows, seen in one snapshot: a write and its mirror commit
@@ -206,6 +236,8 @@ class PartitionMigration:
         started = time.monotonic()
         with self._pool.get().connection() as conn, conn.transaction():
             conn.execute(SQL.partition_migration_lock_timeout, {"lock_ms": LOCK_MS})
-            conn.execute(SQL.partition_migration_lock)
+            dependents = [pgsql.SQL(", ") + pgsql.Identifier("ledger", name)
+                          for name, in conn.execute(SQL.partition_migration_dependents)]
+            conn.execute(pgsql.SQL(SQL.partition_migration_lock).format(dependents=pgsql.Composed(dependents)))
             conn.execute(SQL.partition_migration_swap)
         report.swap_s = time.monotonic() - started

@@ -172,7 +172,8 @@ def main() -> int:
         missing = sum(1 for event_id in sender.sent if found.get(event_id) != 1)
         print(f"\nonline partition migration of {args.events:,} events: {took:.1f} s, machine busy {busy:.0%}")
         print(f"  phases (s): {report['phases']}")
-        print(f"  swap (the tables' exclusive lock): {report['swap_s'] * 1000:.0f} ms; lock waits {report['lock_waits']}")
+        print(f"  swap (the tables' exclusive lock): {report['swap_s'] * 1000:.0f} ms; lock waits {report['lock_waits']}; "
+              f"batches that gave way {report['gave_way']}")
         for phase, samples in by_phase.items():
             statuses = Counter(s[1] for s in samples)
             print(f"  receiver {phase:6}: {len(samples):5} deliveries, answers {dict(statuses)}, "

@@ -222,7 +222,9 @@ UPDATE ledger.attempts
 -- receiver's enqueue was lost, Redis restarted empty, a worker died, a retry's
 -- delay outlived any countdown), and mark them re-driven. Each re-drive doubles
 -- the wait before the next (redrives, reset by a claim), batches are bounded,
--- and SKIP LOCKED lets several sweepers run at once without picking the same row.
+-- and SKIP LOCKED lets several sweepers run at once without picking the same row. NO KEY
+-- UPDATE: it changes no key, so it must not stop a FOR KEY SHARE (a foreign key's check, a
+-- partition backfill's copy).
 UPDATE ledger.events e
    SET wakeup_at = now(), redrives = e.redrives + 1
  WHERE e.id IN (
@@ -235,7 +237,7 @@ UPDATE ledger.events e
                 OR (status = 'processing' AND lease_expires_at < now()))
          ORDER BY wakeup_at
          LIMIT %(batch)s
-           FOR UPDATE SKIP LOCKED)
+           FOR NO KEY UPDATE SKIP LOCKED)
 RETURNING e.id, e.status
 
 -- name: event_rescue_if_owner_gone

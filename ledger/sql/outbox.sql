@@ -71,7 +71,7 @@ UPDATE ledger.outbox o
                 OR (status = 'sending' AND lease_expires_at < now()))
          ORDER BY wakeup_at
          LIMIT %(batch)s
-           FOR UPDATE SKIP LOCKED)
+           FOR NO KEY UPDATE SKIP LOCKED)
 RETURNING o.id
 
 -- name: outbox_list

@@ -119,8 +119,14 @@ UPDATE {table} x SET event_created = b.stripe_created FROM batch b WHERE x.ctid 
 SELECT set_config('lock_timeout', %(lock_ms)s || 'ms', true)
 
 -- name: partition_migration_lock
--- Then the tables, exclusively, in the order the receiver and the workers take them.
-LOCK TABLE ledger.events, ledger.attempts, ledger.deliveries IN ACCESS EXCLUSIVE MODE
+-- Then the tables, exclusively, in the order the receiver and the workers take them: events first
+-- (a worker's transaction starts with its claim), then the tables written after it, those naming
+-- events among them ({dependents}: the swap alters them too). Taken later, one of those would be
+-- waited for while a writer holding it waits for events: a deadlock, not a lock timeout.
+LOCK TABLE ledger.events, ledger.attempts, ledger.deliveries{dependents} IN ACCESS EXCLUSIVE MODE
+
+-- name: partition_migration_dependents
+SELECT name FROM ledger.event_dependent_tables() ORDER BY name
 
 -- name: partition_migration_counts
 -- Before the swap, in one snapshot: the rows of each table and of its twin (they must be equal).

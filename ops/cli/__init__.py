@@ -33,5 +33,20 @@ def main():
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
     except (PoolTimeout, psycopg.OperationalError) as exc:
-        click.echo(f"error: the ledger database is unreachable ({type(exc).__name__})", err=True)
+        click.echo(f"error: {_database_error(exc)}", err=True)
         sys.exit(1)
+
+
+def _database_error(exc: Exception) -> str:
+    """What an operator reads when Postgres stopped a command: unreachable, or a statement it refused
+    (a deadlock, a lock timeout) and rolled back, named by class and SQLSTATE only (its message
+    may quote a row)."""
+    sqlstate = getattr(exc, "sqlstate", None)
+    if sqlstate is None or sqlstate.startswith(("08", "57P")):
+        return f"the ledger database is unreachable ({type(exc).__name__})"
+    why = f"{type(exc).__name__}, SQLSTATE {sqlstate}"
+    if sqlstate.startswith(("40", "55P03")):
+        return (f"the ledger database stopped a statement that met concurrent work ({why}); "
+                f"it rolled back: run the command again")
+    return f"the ledger database refused a statement ({why})"
+

@@ -260,4 +260,5 @@ def partitions_migrate(obj: _Context, abort: bool, as_json: bool):
     else:
         click.echo(f"done in {report.seconds:.1f} s: {report.events} events, {report.attempts} attempts, "
                    f"{report.deliveries} deliveries copied; the swap held the tables for "
-                   f"{report.swap_s * 1000:.0f} ms")
+                   f"{report.swap_s * 1000:.0f} ms; {report.gave_way} batches gave way to writers, "
+                   f"{report.lock_waits} lock waits given up")

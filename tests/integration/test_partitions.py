@@ -213,3 +213,50 @@ def test_a_migration_given_up_before_its_swap_leaves_the_tables_as_they_were(fre
         assert PartitionMigration(pool).run().status == "done"
     finally:
         pool.close()
+
+
+def test_a_backfill_batch_gives_way_to_a_writer_it_would_deadlock_with(fresh_db, settings):
+    """A worker's claim updates several events in one transaction, in no particular order, and each update's
+    mirror trigger copies its event into the twin. The backfill's batch copies the same events by id. The
+    batch meets an event the claim copied first (and waits for it), the claim then meets one the batch
+    copied (and waits for the batch): a cycle, which Postgres breaks after deadlock_timeout (1 s) by failing
+    one of the two, the claim or the migration. The batch waits BATCH_LOCK_MS at most, rolls back and runs
+    again: the claim commits, never an error, and the migration ends with the claim's rows."""
+    from ledger.partition_migration import PartitionMigration
+    from ledger.statements import run_statement
+
+    _old_ledger(fresh_db, events=50)
+    pool = _pool(settings, fresh_db)
+    outcome: dict = {}
+    try:
+        run_statement(pool, "SELECT ledger.partition_migration_twins(ARRAY[date_trunc('month', now())::date])")
+        run_statement(pool, "SELECT ledger.partition_migration_mirror()")
+        with psycopg.connect(fresh_db) as claim:
+            claim.execute("UPDATE ledger.events SET attempts = attempts + 1 WHERE id = 'evt_old9'")
+            migration = PartitionMigration(pool, batch=100)  # one batch: every event, 'evt_old9' the last by id
+            def migrate_partitions():
+                try:
+                    outcome["report"] = migration.run()
+                except Exception as exc:  # noqa: BLE001 - the assertion below names it
+                    outcome["error"] = exc
+            thread = threading.Thread(target=migrate_partitions)
+            thread.start()
+            deadline = time.monotonic() + 30
+            with psycopg.connect(fresh_db, autocommit=True) as watch:
+                # The batch has copied the events before evt_old9 and waits for the claim's copy of it.
+                while not watch.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                        "AND query LIKE '%FOR KEY SHARE%'").fetchone()[0]:
+                    assert time.monotonic() < deadline and thread.is_alive()
+                    time.sleep(0.005)
+            claim.execute("UPDATE ledger.events SET attempts = attempts + 1 WHERE id = 'evt_old1'")
+            claim.commit()
+            thread.join(60)
+        assert "error" not in outcome, outcome["error"]
+        report = outcome["report"]
+        assert report.status == "done" and report.gave_way >= 1
+        with psycopg.connect(fresh_db) as conn:
+            assert conn.execute("SELECT count(*) FROM ledger.events WHERE id IN ('evt_old1', 'evt_old9') "
+                                "AND attempts = 2").fetchone()[0] == 2
+            assert conn.execute("SELECT count(*) FROM ledger.events").fetchone()[0] == 50
+    finally:
+        pool.close()
