@@ -76,7 +76,7 @@ SABOTAGES = (
         "ledger/retention.py): a file the store lost or cut short is no longer caught before the events go",
         (("ledger/retention.py",
           "        fetch_verified(self.store, manifest, tmp / f\"{month}.read-back.jsonl.gz\")\n",
-          "        self._remove(report, key, writer.fingerprints())\n"
+          "        self._remove(report, key, writer.fingerprints(), self._month_bounds(month))\n"
           "        fetch_verified(self.store, manifest, tmp / f\"{month}.read-back.jsonl.gz\")\n"),),
         ("tests/integration/test_retention.py",)),
     Sabotage(
@@ -96,13 +96,22 @@ SABOTAGES = (
           "     WHERE true\n"),),
         ("tests/integration/test_partitions.py",)),
     Sabotage(
-        "partition-drop-loses-kept-events",
-        "a month's partitions are dropped without moving what they still held to the default partition "
-        "(ledger.partition_drop, ledger/migrations/0012_partitions.sql): held, unfinished and failed events "
-        "in a month past the processed window are lost",
-        (("ledger/migrations/0012_partitions.sql",
-          "        EXECUTE format('INSERT INTO ledger.%I SELECT * FROM ledger.%I', t.name,",
-          "        EXECUTE format('INSERT INTO ledger.%I SELECT * FROM ledger.%I WHERE false', t.name,"),),
+        "month-replacement-loses-kept-events",
+        "a month past the window is replaced by empty tables instead of the events it keeps "
+        "(ledger.partition_month_stage, ledger/migrations/0014_month_swap.sql): held, unfinished and failed "
+        "events of the month are lost",
+        (("ledger/migrations/0014_month_swap.sql",
+          "'SELECT 1 FROM ledger.retention_archived a '",
+          "'SELECT 1 WHERE true OR EXISTS (SELECT FROM ledger.retention_archived a) '"),),
+        ("tests/integration/test_retention.py",)),
+    Sabotage(
+        "month-replacement-ignores-changes",
+        "a month's swap keeps the rows as they were staged, not the events changed since the run began "
+        "(ledger.partition_month_swap, ledger/migrations/0014_month_swap.sql): a redelivery of an archived event "
+        "and a kept event's progress made meanwhile are lost",
+        (("ledger/migrations/0014_month_swap.sql",
+          "    ids := ARRAY(SELECT c.event_id FROM ledger.partition_changes c WHERE c.month = partition_month_swap.month);",
+          "    ids := ARRAY[]::text[];"),),
         ("tests/integration/test_retention.py",)),
     Sabotage(
         "partition-migration-loses-updates",

@@ -46,10 +46,14 @@ _PREDICATES = {
 _SOURCE_PREDICATES = {
     # A thin notification's type is v1.* or v2.* (ledger.stripe_events); the others came as snapshots.
     "thin": "left(e.type, 3) = ANY(%(thin_prefixes)s)",
-    # Nearly every snapshot event came by webhook: probe each row of the range (a scalar subquery, which
-    # the planner keeps per row) rather than let it join the whole deliveries table.
-    "webhook": ("left(e.type, 3) <> ALL(%(thin_prefixes)s) AND (SELECT true FROM ledger.deliveries d "
-                "WHERE d.event_id = e.id AND d.source = 'webhook' LIMIT 1)"),
+    # Nearly every snapshot event came by webhook, and catch-up's deliveries are few: an event none of them
+    # names came by webhook (every delivery is one or the other), read as one hashed set; only the few it
+    # names are probed for a webhook delivery of their own. A probe for every row of the range costs one
+    # index lookup per partition of deliveries on a partitioned ledger (the probe knows no `created`).
+    "webhook": ("left(e.type, 3) <> ALL(%(thin_prefixes)s) AND (e.id NOT IN (SELECT d.event_id "
+                "FROM ledger.deliveries d WHERE d.source = 'catchup' "
+                "AND d.delivered_at >= coalesce(%(since)s, '-infinity'::timestamptz)) "
+                "OR (SELECT true FROM ledger.deliveries d WHERE d.event_id = e.id AND d.source = 'webhook' LIMIT 1))"),
     # Catch-up's deliveries are few: read them by time (a delivery comes at or after its event's
     # received_at, so the range's start bounds them too), then the events they name.
     "catchup": ("e.id IN (SELECT d.event_id FROM ledger.deliveries d WHERE d.source = 'catchup' "

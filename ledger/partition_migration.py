@@ -22,7 +22,8 @@ The receiver and the workers keep running throughout. The steps, each resumable:
    first as every writer takes them (waiting at most ``LOCK_MS``, then retried), set aside and the twins renamed into place. Its lock is the only wait a writer sees.
    Names only (the tables set aside as ``<name>_before_partitions``): no row is read or written.
 6. **Cleanup**: the tables set aside dropped (unlinking their files takes a while, under locks
-   nobody else needs).
+   nobody else needs), locked first, events first, waiting at most ``LOCK_MS``: a statement
+   prepared before the swap still locks them, in that order, before it is planned again.
 
 ``abort`` drops the twins and the triggers before a swap; the tables are as they were.
 """
@@ -95,7 +96,7 @@ class PartitionMigration:
                 raise AnotherMigration("another process is migrating this ledger to partitions")
             state = self.state()
             if state["partitioned"]:
-                self._all(SQL.partition_migration_cleanup)  # a run stopped between its swap and its cleanup
+                self._with_lock(MigrationReport("already"), self._cleanup)  # stopped between swap and cleanup
                 return MigrationReport("already")
             report = MigrationReport("running")
             since = state["mirrored_from"]
@@ -108,7 +109,7 @@ class PartitionMigration:
             self._timed(report, "dependents", lambda: self._backfill_dependents(report))
             self._timed(report, "verify", self._verify)
             self._timed(report, "swap", lambda: self._with_lock(report, lambda: self._swap(report)))
-            self._timed(report, "cleanup", lambda: self._all(SQL.partition_migration_cleanup))
+            self._timed(report, "cleanup", lambda: self._with_lock(report, self._cleanup))
             report.status = "done"
             report.seconds = time.monotonic() - started
             return report
@@ -231,6 +232,15 @@ class PartitionMigration:
             if found[table] != found[f"{table}_twin"]:
                 raise MigrationError(f"ledger.{table} has {found[table]} rows and its partitioned copy "
                                      f"{found[table + '_twin']}: nothing was swapped (abort, then run it again)")
+
+    def _cleanup(self) -> None:
+        with self._pool.get().connection() as conn, conn.transaction():
+            conn.execute(SQL.partition_migration_lock_timeout, {"lock_ms": LOCK_MS})
+            tables = [pgsql.Identifier("ledger", name) for name, in conn.execute(SQL.partition_migration_set_aside)]
+            if tables:
+                conn.execute(pgsql.SQL(SQL.partition_migration_lock_set_aside).format(
+                    tables=pgsql.SQL(", ").join(tables)))
+            conn.execute(SQL.partition_migration_cleanup)
 
     def _swap(self, report: MigrationReport) -> None:
         started = time.monotonic()

@@ -28,7 +28,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import date
+from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -52,8 +52,9 @@ REMOVE_TARGET_S = 0.2
 SLICE_BLOCKS = 1024
 # Connections reading slices at once: Postgres builds lines on one while this process compresses.
 READERS = 2
-# Dropping a month's partitions takes the ledger tables' exclusive lock: waited for at most this long
-# (a receiver's insert queues behind the waiting drop meanwhile), then tried again, DROP_TRIES times a run.
+# A month's swap takes the ledger tables' exclusive lock (its watch, the month's partitions'): waited for
+# at most this long (a receiver's insert queues behind the waiting swap meanwhile), then tried again,
+# DROP_TRIES times a run.
 DROP_LOCK_MS = 200
 DROP_TRIES = 3
 
@@ -75,11 +76,13 @@ class RunReport:
     store_s: float = 0.0
     remove_s: float = 0.0
     longest_removal_s: float = 0.0
-    # Months whose partitions left as tables (a partitioned ledger), the events they still held moved
-    # to the default partition, and the longest of those transactions (the tables' lock hold).
+    # Months past the window whose partitions left as tables (a partitioned ledger), the events they
+    # kept (in their month's new partitions), the longest swap (the tables' lock hold), and the months
+    # that stayed because the tables stayed locked (the next run tries again).
     partitions_dropped: int = 0
-    kept_in_default: int = 0
+    kept_in_month: int = 0
     longest_drop_s: float = 0.0
+    months_deferred: int = 0
 
 
 class Retention:
@@ -136,36 +139,109 @@ class Retention:
             return report
 
     def _archive_and_remove(self, report: RunReport) -> None:
+        self._finish_leftovers()
+        watched = self._watch_months(report)
         with tempfile.TemporaryDirectory(prefix="ledger-retention-") as tmp:
             writers = self._archive(report, Path(tmp))
             for month in sorted(writers):
-                self._store_and_remove(report, month, writers[month], Path(tmp))
-        self._drop_months(report)
+                self._store_and_remove(report, month, writers[month], Path(tmp), replace=month in watched)
 
-    def _drop_months(self, report: RunReport) -> None:
-        """The months past the processed window leave as tables, now that their events did (only after
-        every month's archive was verified and removed: a run that failed before never gets here)."""
+    # -- a month past the window: replaced by what it keeps (migration 0014) --------------------
+
+    def _locked(self, step: Callable[[Any], Any]) -> Any:
+        """``step(conn)`` in a transaction that waits at most DROP_LOCK_MS for a lock, tried DROP_TRIES times;
+        None when every try gave way (to a transaction holding the tables, or a deadlock Postgres broke on
+        it): the next run tries again."""
+        for attempt in range(DROP_TRIES):
+            try:
+                with self._pool.get().connection() as conn, conn.transaction():
+                    conn.execute(SQL.partition_lock_timeout, {"lock_ms": DROP_LOCK_MS})
+                    return step(conn)
+            except (errors.LockNotAvailable, errors.DeadlockDetected):
+                time.sleep(DROP_LOCK_MS / 1000 * (attempt + 1))
+        return None
+
+    def _watch_months(self, report: RunReport) -> set[str]:
+        """The months past the processed window ('YYYY-MM'), each watched before the run reads it (every
+        change to one of its events from now on is logged); a month whose partitions stayed locked is
+        removed row by row this run instead."""
+        watched = set()
         for row in self._all(SQL.partitions_past_window, self.policy.params()):
-            for attempt in range(DROP_TRIES):
-                started = time.monotonic()
-                try:
-                    dropped = self._all(SQL.partition_drop, {"month": row["month"], "run_id": report.run_id,
-                                                             "lock_ms": DROP_LOCK_MS})
-                except errors.LockNotAvailable:
-                    # A transaction on the ledger held on past DROP_LOCK_MS: let it finish, then try again;
-                    # after DROP_TRIES, the next run does.
-                    time.sleep(DROP_LOCK_MS / 1000 * (attempt + 1))
-                    continue
-                if not dropped:  # another runner's, or a restore's, month: gone already
-                    break
-                [kept] = dropped
-                report.longest_drop_s = max(report.longest_drop_s, time.monotonic() - started)
-                report.partitions_dropped += 1
-                report.kept_in_default += kept["kept_events"]
-                log.info("month's partitions dropped", extra={"run_id": report.run_id, "month": str(row["month"]),
-                                                              "kept_events": kept["kept_events"],
-                                                              "kept_rows": kept["kept_rows"]})
-                break
+            done = self._locked(lambda conn: conn.execute(SQL.partition_month_watch, {"month": row["month"]})
+                                .fetchone()[0])
+            if done:
+                watched.add(f"{row['month']:%Y-%m}")
+            elif done is None:
+                report.months_deferred += 1
+        return watched
+
+    def _replace_month(self, report: RunReport, key: str, month: str, ids: Iterator[str]) -> None:
+        """A verified month leaves as tables: its kept events staged into new ones, swapped in under a
+        short lock, the old ones dropped, then the plain tables' rows of the events that left."""
+        first = date.fromisoformat(f"{month}-01")
+        params = {"run_id": report.run_id, "month": first}
+        with self._pool.get().connection() as conn, conn.transaction():
+            conn.execute(SQL.retention_archived_clear, params)
+            with conn.cursor().copy(SQL.retention_archived_copy) as copy:
+                for event_id in ids:
+                    copy.write_row((report.run_id, first, event_id))
+        self._all(SQL.partition_month_stage, params)
+        started = time.monotonic()
+        swapped = self._locked(lambda conn: conn.execute(SQL.partition_month_swap, params).fetchone())
+        if swapped is None:
+            # Its events stay (archived: the next run archives them again, a restore writes each once).
+            self._all(SQL.partition_month_unstage, params)
+            self._all(SQL.retention_archived_clear, params)
+            report.months_deferred += 1
+            log.warning("a month past the window stayed: the ledger's tables stayed locked",
+                        extra={"run_id": report.run_id, "month": month})
+            return
+        kept, changed, archived_kept = swapped
+        report.longest_drop_s = max(report.longest_drop_s, time.monotonic() - started)
+        report.partitions_dropped += 1
+        report.kept_in_month += kept
+        left = self._archived_count(report.run_id, first) - archived_kept
+        report.removed += left
+        report.changed += archived_kept
+        self._all(SQL.archive_file_removed, {"key": key, "removed": left})
+        self._progress(report.run_id, removed=left, changed=archived_kept)
+        self._finish_swapped(report.run_id, first)
+        log.info("month replaced by what it keeps", extra={"run_id": report.run_id, "month": month,
+                                                           "kept_events": kept, "changed": changed})
+
+    def _archived_count(self, run_id: int, month: date) -> int:
+        return self._all(SQL.retention_archived_count, {"run_id": run_id, "month": month})[0]["archived"]
+
+    def _finish_swapped(self, run_id: int, month: date) -> None:
+        """After a month's swap: its detached tables dropped (or by the next run, if they stayed locked), the
+        plain tables' rows of its gone events deleted, its archived ids cleared."""
+        params = {"run_id": run_id, "month": month}
+
+        def drop(conn) -> bool:
+            gone = [pgsql.Identifier("ledger", name) for name, in conn.execute(SQL.partition_month_gone, params)]
+            if gone:
+                conn.execute(pgsql.SQL(SQL.partition_month_lock_gone).format(tables=pgsql.SQL(", ").join(gone)))
+                conn.execute(SQL.partition_month_drop_gone, params)
+            return True
+        self._locked(drop)
+        for row in self._all(SQL.event_dependent_tables):
+            self._all(pgsql.SQL(SQL.retention_dependents_gone).format(table=pgsql.Identifier("ledger", row["name"])),
+                      params)
+        self._all(SQL.retention_archived_clear, params)
+
+    def _finish_leftovers(self) -> None:
+        """What a run that died left of a month's replacement: a swap that committed is finished, staged
+        tables of one that did not are dropped (the month is archived and replaced again)."""
+        for row in self._all(SQL.retention_archived_pending):
+            if row["swapped"]:
+                self._finish_swapped(row["run_id"], row["month"])
+            else:
+                self._all(SQL.retention_archived_clear, row)
+        for row in self._all(SQL.partition_month_leftovers):
+            if row["kind"] == "kept":
+                self._all(SQL.partition_month_unstage, row)
+            else:
+                self._finish_swapped(0, row["month"])
 
     def _archive(self, report: RunReport, tmp: Path) -> dict[str, ArchiveWriter]:
         """Every event past its window into its month's file: the table read once, a slice of blocks
@@ -173,17 +249,19 @@ class Retention:
         started = time.monotonic()
         writers: dict[str, ArchiveWriter] = {}
 
-        def read(piece: tuple[str, int]) -> dict[str, Chunk]:
-            relation, first = piece
+        def read(piece: tuple[dict[str, Any], int]) -> dict[str, Chunk]:
+            heap, first = piece
             by_month: dict[str, list[tuple[str, str]]] = {}
-            candidates = pgsql.SQL(SQL.retention_candidates).format(relation=pgsql.Identifier(*relation.split(".")))
+            candidates = pgsql.SQL(SQL.retention_candidates).format(
+                relation=pgsql.Identifier(*heap["relation"].split(".")))
             for event_id, month, line in run_statement(self._pool, candidates, {
-                    **self.policy.params(), "first_block": first, "end_block": first + self._slice_blocks},
+                    **self.policy.params(), "first_block": first, "end_block": first + self._slice_blocks,
+                    "created_from": heap["created_from"], "created_to": heap["created_to"]},
                     row_factory=tuple_row):
                 by_month.setdefault(month, []).append((event_id, line))
             return {month: Chunk.of(rows) for month, rows in by_month.items()}
         try:
-            pieces = [(heap["relation"], first) for heap in self._all(SQL.events_heap_blocks)
+            pieces = [(heap, first) for heap in self._all(SQL.events_heap_blocks)
                       for first in range(0, heap["blocks"], self._slice_blocks)]
             # Slices read (and compressed) on several connections at once, appended in the tables' order.
             with ThreadPoolExecutor(max_workers=self._readers, thread_name_prefix="retention-read") as readers:
@@ -199,7 +277,8 @@ class Retention:
             report.read_s += time.monotonic() - started
         return writers
 
-    def _store_and_remove(self, report: RunReport, month: str, writer: ArchiveWriter, tmp: Path) -> None:
+    def _store_and_remove(self, report: RunReport, month: str, writer: ArchiveWriter, tmp: Path, *,
+                          replace: bool = False) -> None:
         key = file_key(date.fromisoformat(f"{month}-01"), report.run_id)
         started = time.monotonic()
         sha256, size = sha256_of(writer.path), writer.path.stat().st_size
@@ -218,15 +297,29 @@ class Retention:
         self._progress(report.run_id, archived=manifest.events, files=1)
         if self._before_removal is not None:
             self._before_removal(manifest)
-        self._remove(report, key, writer.fingerprints())
+        if replace:
+            self._replace_month(report, key, month, (event_id for event_id, _ in writer.fingerprints()))
+        else:
+            self._remove(report, key, writer.fingerprints(), self._month_bounds(month))
 
-    def _remove(self, report: RunReport, key: str, fingerprints: Iterator[tuple[str, str]]) -> None:
+    def _month_bounds(self, month: str) -> dict[str, datetime | None]:
+        """A file's month as the bounds of its events' `created`, on a partitioned ledger (where every row
+        naming an event has it, and a statement given them reads that month's partitions only); none on a
+        plain one (rows recorded before migration 0012 have no event_created)."""
+        if not self._all(SQL.ledger_is_partitioned)[0]["partitioned"]:
+            return {"created_from": None, "created_to": None}
+        first = datetime.strptime(month, "%Y-%m").replace(tzinfo=timezone.utc)
+        following = first.replace(year=first.year + first.month // 12, month=first.month % 12 + 1)
+        return {"created_from": first, "created_to": following}
+
+    def _remove(self, report: RunReport, key: str, fingerprints: Iterator[tuple[str, str]],
+                bounds: dict[str, datetime | None]) -> None:
         # The page follows the time a removal takes, so its row locks (which a redelivery of one of these
         # events would wait on) are held about REMOVE_TARGET_S: halved after a slow one, grown after quick ones.
         size = self._page
         while page := list(itertools.islice(fingerprints, size)):
             started = time.monotonic()
-            removed = self._remove_page([i for i, _ in page], [f for _, f in page])
+            removed = self._remove_page([i for i, _ in page], [f for _, f in page], bounds)
             took = time.monotonic() - started
             if took > 2 * REMOVE_TARGET_S:
                 size = max(REMOVE_PAGE_MIN, size // 2)
@@ -239,9 +332,9 @@ class Retention:
             report.changed += len(page) - removed
             self._progress(report.run_id, removed=removed, changed=len(page) - removed)
 
-    def _remove_page(self, ids: list[str], fingerprints: list[str]) -> int:
+    def _remove_page(self, ids: list[str], fingerprints: list[str], bounds: dict[str, datetime | None]) -> int:
         """One transaction: lock, then delete what is unchanged (events_lock_archived says why two statements)."""
-        params = {"ids": ids, "fingerprints": fingerprints}
+        params = {"ids": ids, "fingerprints": fingerprints, **bounds}
         with self._pool.get().connection() as conn, conn.transaction():
             conn.execute(SQL.events_lock_archived, params)
             return len(conn.execute(SQL.events_remove_archived, params).fetchall())

@@ -58,6 +58,10 @@ HEALTH_ALERTS = Counter("stripe_health_alerts_total",
 # and the events they archived and removed. The ledger-wide view is the gauges below, from ledger.retention_runs.
 RETENTION_RUNS = Counter("retention_runs_total", "Retention runs started by this process, by outcome", ["status"])
 RETENTION_EVENTS = Counter("retention_events_total", "Events retention archived and removed", ["action"])
+# Months past the window (a partitioned ledger) that left as tables, and those that stayed because the
+# ledger's tables stayed locked through every try of a run (the next run tries again).
+RETENTION_MONTHS = Counter("retention_months_total", "Months past the window retention replaced, or had to leave "
+                           "for the next run", ["outcome"])
 # Partition upkeep passes of this sweep (ledger/partitions.py), by outcome (done, failed).
 PARTITION_PASSES = Counter("partition_passes_total", "Partition upkeep passes run by this process", ["outcome"])
 

@@ -181,10 +181,14 @@ class Sweeper:
                     if report.status != "skipped":
                         metrics.RETENTION_EVENTS.labels("archived").inc(report.archived)
                         metrics.RETENTION_EVENTS.labels("removed").inc(report.removed)
+                        metrics.RETENTION_MONTHS.labels("replaced").inc(report.partitions_dropped)
+                        metrics.RETENTION_MONTHS.labels("deferred").inc(report.months_deferred)
                         log.info("retention run", extra={"run_id": report.run_id, "status": report.status,
                                                          "archived": report.archived, "removed": report.removed,
                                                          "changed": report.changed,
                                                          "kept_by_hold": report.kept_by_hold,
+                                                         "months_replaced": report.partitions_dropped,
+                                                         "months_deferred": report.months_deferred,
                                                          "seconds": round(report.seconds, 3)})
                 stop.wait(interval)
         thread = threading.Thread(target=run, name="retention", daemon=True)

@@ -9,7 +9,12 @@ failed_permanent 120) into an archive directory, or with ``--s3`` a bucket of a 
 HTTP. Printed: events archived per second (reading, compressing, writing and reading back the files),
 removed per second, the longest removal transaction, the archive's size, the machine's busy share.
 
-    ops/devkit-run devkit.benchmarks.retention [--events 3000000] [--s3]
+``--writers RATE``: meanwhile, new events are recorded at RATE a second through the receiver's own
+statement (ledger.deliveries.EventStore.record_delivery, on a pool of its own), from 20 s before the run
+to its end; printed: that statement's latency (p50, p99, max) before the run and during it, the stage
+a receiver's acknowledgement waits on (a diagnostic, not the receiver's ack time).
+
+    ops/devkit-run devkit.benchmarks.retention [--events 3000000] [--s3] [--partitioned] [--writers 100]
 """
 from __future__ import annotations
 
@@ -89,11 +94,69 @@ def fill(url: str, total: int) -> None:
             conn.execute(f"VACUUM (ANALYZE) ledger.{table}")
 
 
+class Writers:
+    """New events recorded at a fixed rate by the receiver's statement, each one's latency kept by phase."""
+
+    def __init__(self, url: str, rate: float):
+        import threading
+
+        from ledger.config import Settings
+        from ledger.db import ProcessPool
+        from ledger.deliveries import EventStore
+
+        self._pool = ProcessPool(Settings(database_url=url), name="retention-bench-writers")
+        self._store = EventStore(self._pool)
+        self._rate = rate
+        self.phase = "before"
+        self.latencies: dict[str, list[float]] = {"before": [], "during": []}
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="writers", daemon=True)
+
+    def _run(self) -> None:
+        from devkit.factories import event, incoming
+
+        n, started = 0, time.monotonic()
+        while not self._stop.is_set():
+            n += 1
+            wait = started + n / self._rate - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            evt = event("customer.subscription.updated", {"id": f"sub_w{n}", "object": "subscription"},
+                        created=int(time.time()), event_id=f"evt_writer{n:010d}")
+            t0 = time.monotonic()
+            try:
+                self._store.record_delivery(incoming(evt))
+            except Exception:  # counted: the run's report says how many
+                self.errors += 1
+                continue
+            self.latencies[self.phase].append((time.monotonic() - t0) * 1000)
+
+    def start(self) -> "Writers":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join()
+        self._pool.close()
+
+    def summary(self) -> str:
+        def q(values: list[float], share: float) -> float:
+            return sorted(values)[min(len(values) - 1, int(share * len(values)))] if values else 0.0
+        return "; ".join(f"{phase} ({len(v)}): p50 {q(v, 0.5):.1f} ms, p99 {q(v, 0.99):.1f} ms, max {max(v or [0]):.1f} ms"
+                         for phase, v in self.latencies.items()) + f"; errors {self.errors}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=3_000_000)
     parser.add_argument("--s3", action="store_true", help="archive into a bucket of a moto server process")
     parser.add_argument("--partitioned", action="store_true", help="partition the ledger first (by month)")
+    parser.add_argument("--writers", type=float, default=0.0, help="new events a second recorded meanwhile "
+                        "through the receiver's statement (0: none)")
     parser.add_argument("--readers", type=int, default=None, help="connections reading slices at once "
                         "(default: ledger.retention.READERS)")
     args = parser.parse_args()
@@ -124,9 +187,18 @@ def main() -> int:
         from ledger.retention import READERS
 
         runner = Retention(pool, store, policy, readers=args.readers or READERS)
+        writers = None
+        if args.writers:
+            writers = Writers(url, args.writers).start()
+            cleanup.add("writers", writers.stop)
+            time.sleep(20)
+            writers.phase = "during"
         cpu_before = cpu_times()
         report = runner.run()
         busy = busy_share(cpu_before, cpu_times())
+        if writers is not None:
+            writers.stop()
+            print(f"receiver's statement at {args.writers:g}/s: {writers.summary()}", flush=True)
         archive_bytes = sum(row["bytes"] for row in runner.catalogued_files())
         with psycopg.connect(url) as conn:
             left = conn.execute("SELECT count(*) FROM ledger.events").fetchone()[0]
@@ -140,13 +212,14 @@ retention run {report.status} on {args.events:,} events ({'S3, moto server' if a
   archive rate: {archive_eps:,.0f} events/s (target >= {TARGET_ARCHIVE_EPS:,}: {verdict})
   removed {report.removed:,} in {report.remove_s:.1f} s = {report.removed / report.remove_s if report.remove_s else 0:,.0f} events/s;
   longest removal transaction {report.longest_removal_s * 1000:.0f} ms
-  months dropped as tables {report.partitions_dropped}, their kept events moved to the default partition \
-{report.kept_in_default:,}; longest drop transaction {report.longest_drop_s * 1000:.0f} ms
+  months left as tables {report.partitions_dropped} (events they kept, in new partitions: \
+{report.kept_in_month:,}); longest swap transaction {report.longest_drop_s * 1000:.0f} ms; \
+months that stayed (tables locked) {report.months_deferred}
   whole run {report.seconds:.1f} s; machine busy {busy:.0%}; events left {left:,}
 SUMMARY retention events={args.events} archived={report.archived} archive_eps={archive_eps:.0f} \
 read_s={report.read_s:.2f} store_s={report.store_s:.2f} remove_s={report.remove_s:.2f} \
 longest_removal_ms={report.longest_removal_s * 1000:.0f} partitions_dropped={report.partitions_dropped} \
-longest_drop_ms={report.longest_drop_s * 1000:.0f} bytes={archive_bytes} busy={busy:.2f}""", flush=True)
+longest_drop_ms={report.longest_drop_s * 1000:.0f} months_deferred={report.months_deferred} bytes={archive_bytes} busy={busy:.2f}""", flush=True)
         return 0 if report.status == "done" else 1
     finally:
         cleanup.run()

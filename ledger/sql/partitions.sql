@@ -140,8 +140,25 @@ SELECT (SELECT count(*) FROM ledger.events) AS events, (SELECT count(*) FROM led
 SELECT ledger.partition_migration_swap()
 
 -- name: partition_migration_cleanup
--- After the swap: the tables set aside dropped (no lock a writer waits on).
+-- After the swap: the tables set aside dropped. The caller holds their locks
+-- (partition_migration_lock_set_aside).
 SELECT ledger.partition_migration_cleanup()
+
+-- name: partition_migration_set_aside
+-- The tables the swap set aside that are still there, events first.
+SELECT t.name || '_before_partitions' AS name
+  FROM ledger.partitioned_tables() t
+ WHERE to_regclass(format('ledger.%%I', t.name || '_before_partitions')) IS NOT NULL
+ ORDER BY t.name <> 'events', t.name
+
+-- name: partition_migration_lock_set_aside
+-- The cleanup's first statement after its lock timeout: the tables set aside, exclusively, events
+-- first. Nobody writes them any more, but a statement prepared before the swap still locks
+-- them (by their old names' objects) before Postgres sees its plan is stale and plans it
+-- again: a receiver's insert locks the old events, then the old deliveries. Dropped one by
+-- one, a drop holding the old deliveries would wait for such a receiver while it waits for the
+-- drop. {tables}: partition_migration_set_aside's.
+LOCK TABLE {tables} IN ACCESS EXCLUSIVE MODE
 
 -- name: partition_migration_abort
 SELECT ledger.partition_migration_abort()

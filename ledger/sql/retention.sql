@@ -29,26 +29,87 @@ UPDATE ledger.retention_runs
  WHERE id = %(run_id)s AND status = 'running'
 
 -- name: partitions_past_window
--- The months whose every processed event is past its window: once their events left (this
--- run's removals), their partitions can go (partition_drop). Oldest first.
+-- The months whose every processed event is past its window: replaced by what they keep once
+-- their archive is verified (ledger.partition_month_*, migration 0014). Oldest first.
 SELECT starts::date AS month
   FROM ledger.event_partitions()
  WHERE NOT is_default AND ends < now() - make_interval(days => %(processed_days)s)
  ORDER BY starts
 
--- name: partition_drop
--- One month's partitions detached and dropped, what they still held moved to the default
--- partition (ledger.partition_drop): the events and rows moved.
-SELECT kept_events, kept_rows FROM ledger.partition_drop(%(month)s, %(run_id)s, %(lock_ms)s)
+-- name: partition_lock_timeout
+-- A statement on the ledger's tables' locks: how long it may wait for them (a receiver's insert
+-- queues behind it meanwhile).
+SELECT set_config('lock_timeout', %(lock_ms)s || 'ms', true)
+
+-- name: partition_month_watch
+SELECT ledger.partition_month_watch(%(month)s) AS watched
+
+-- name: retention_archived_clear
+DELETE FROM ledger.retention_archived WHERE run_id = %(run_id)s AND month = %(month)s
+
+-- name: retention_archived_copy
+COPY ledger.retention_archived (run_id, month, event_id) FROM STDIN
+
+-- name: retention_archived_count
+SELECT count(*) AS archived FROM ledger.retention_archived WHERE run_id = %(run_id)s AND month = %(month)s
+
+-- name: partition_month_stage
+SELECT ledger.partition_month_stage(%(month)s, %(run_id)s) AS staged
+
+-- name: partition_month_swap
+SELECT kept, changed, archived_kept FROM ledger.partition_month_swap(%(month)s, %(run_id)s)
+
+-- name: partition_month_gone
+SELECT ledger.partition_month_gone(%(month)s) AS name
+
+-- name: partition_month_lock_gone
+-- The detached tables, exclusively, events first, before they are dropped. Nobody writes them,
+-- but a statement planned before the swap still locks them (events, then the others) before
+-- Postgres sees the plan is stale; dropped one by one, a drop could wait for such a statement
+-- while it waits for the drop. {tables}: partition_month_gone's.
+LOCK TABLE {tables} IN ACCESS EXCLUSIVE MODE
+
+-- name: partition_month_drop_gone
+SELECT ledger.partition_month_drop_gone(%(month)s)
+
+-- name: partition_month_leftovers
+SELECT month, kind FROM ledger.partition_month_leftovers()
+
+-- name: partition_month_unstage
+SELECT ledger.partition_month_unstage(%(month)s)
+
+-- name: retention_archived_pending
+-- A run's archived ids of a month not yet cleared: the run died after its archive; `swapped`
+-- when its swap committed (the rows naming its gone events remain to be deleted).
+SELECT DISTINCT a.run_id, a.month,
+       EXISTS (SELECT 1 FROM ledger.dropped_partitions p WHERE p.month = a.month AND p.run_id = a.run_id) AS swapped
+  FROM ledger.retention_archived a
+ ORDER BY 1, 2
+
+-- name: retention_dependents_gone
+-- After a month's swap: the rows of a plain table naming the events that left with it (archived by
+-- the run, and not in the ledger any more). {table}: one of ledger.event_dependent_tables().
+DELETE FROM {table} x USING ledger.retention_archived a
+ WHERE a.run_id = %(run_id)s AND a.month = %(month)s AND x.event_id = a.event_id
+   AND NOT EXISTS (SELECT 1 FROM ledger.events e WHERE e.id = x.event_id)
+
+-- name: event_dependent_tables
+SELECT name FROM ledger.event_dependent_tables() ORDER BY name
 
 -- name: events_heap_blocks
 -- How far a run reads: each table holding events (ledger.events itself, or each of its
--- partitions) and its size in blocks when the run starts (later rows are new).
-SELECT relid::text AS relation, pg_relation_size(relid) / current_setting('block_size')::bigint AS blocks
+-- partitions) and its size in blocks when the run starts (later rows are new); a month's
+-- partition with its bounds (ledger.event_archive_lines reads the month's rows only).
+SELECT relid::text AS relation, pg_relation_size(relid) / current_setting('block_size')::bigint AS blocks,
+       p.starts AS created_from, p.ends AS created_to
   FROM (SELECT relid FROM pg_partition_tree('ledger.events') WHERE isleaf
         UNION ALL  -- a plain table is no tree: itself
         SELECT 'ledger.events'::regclass WHERE NOT ledger.is_partitioned()) heaps
+  LEFT JOIN ledger.event_partitions() p ON format('ledger.%%I', p.name) = relid::text AND NOT p.is_default
  ORDER BY relid::text
+
+-- name: ledger_is_partitioned
+SELECT ledger.is_partitioned() AS partitioned
 
 -- name: retention_candidates
 -- The events past their window in a range of the table's blocks (a TID range scan: each
@@ -68,7 +129,8 @@ SELECT l.id, l.month, l.line
                             WHERE o.event_id = e.id AND o.status NOT IN ('sent', 'failed_permanent'))
            AND NOT EXISTS (SELECT 1 FROM ledger.retention_holds h
                             WHERE h.released_at IS NULL
-                              AND (h.event_id = e.id OR h.customer_id = ledger.event_customer(e.payload))))) AS l
+                              AND (h.event_id = e.id OR h.customer_id = ledger.event_customer(e.payload)))),
+        %(created_from)s, %(created_to)s) AS l
 
 -- name: retention_count_held
 -- Events past their window that a hold keeps: reported by each run.
@@ -95,20 +157,25 @@ SELECT e.id FROM ledger.events e WHERE e.id = ANY (%(ids)s::text[]) ORDER BY e.i
 -- name: events_remove_archived
 -- Archived and verified -> gone, with every row that names them (here: on a partitioned ledger
 -- they name their event without a foreign key, so no cascade takes them): only an event whose
--- archive line is still what the file holds.
+-- archive line is still what the file holds. created_from/created_to: the file's month on a
+-- partitioned ledger (its partitions only are read), NULL on a plain one.
 -- One that changed since (a delivery appended, a replay) stays, and the next run archives it again.
 WITH archived AS (
     SELECT a.id, a.fingerprint FROM unnest(%(ids)s::text[], %(fingerprints)s::text[]) AS a(id, fingerprint)
 ), unchanged AS (
-    SELECT l.id FROM ledger.event_archive_lines(%(ids)s::text[]) AS l
+    SELECT l.id FROM ledger.event_archive_lines(%(ids)s::text[], %(created_from)s, %(created_to)s) AS l
       JOIN archived a ON a.id = l.id AND a.fingerprint = md5(l.line)
 ), gone AS (
     DELETE FROM ledger.events e USING unchanged u WHERE e.id = u.id
-    RETURNING e.id
+    RETURNING e.id, e.stripe_created
 ), deliveries AS (
     DELETE FROM ledger.deliveries x USING gone g WHERE x.event_id = g.id
+       AND (%(created_from)s::timestamptz IS NULL
+            OR (x.event_created >= %(created_from)s AND x.event_created < %(created_to)s))
 ), attempts AS (
     DELETE FROM ledger.attempts x USING gone g WHERE x.event_id = g.id
+       AND (%(created_from)s::timestamptz IS NULL
+            OR (x.event_created >= %(created_from)s AND x.event_created < %(created_to)s))
 ), audit AS (
     DELETE FROM ledger.audit x USING gone g WHERE x.event_id = g.id
 ), outbox AS (

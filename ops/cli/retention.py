@@ -64,6 +64,10 @@ def retention_run(obj: _Context, as_json: bool):
         click.echo(f"run {report.run_id} {report.status}: {report.archived} archived in {len(report.files)} "
                    f"file(s), {report.removed} removed, {report.changed} changed since archived (kept), "
                    f"{report.kept_by_hold} kept by a hold, {report.seconds:.1f} s")
+        if report.partitions_dropped or report.months_deferred:
+            click.echo(f"months past the window: {report.partitions_dropped} replaced by what they keep "
+                       f"({report.kept_in_month} events), longest swap {report.longest_drop_s * 1000:.0f} ms; "
+                       f"{report.months_deferred} left for the next run (the ledger's tables stayed locked)")
         if report.error:
             click.echo(f"error: {report.error}", err=True)
     sys.exit({"done": 0, "skipped": ANOTHER_RUNNER}.get(report.status, 1))

@@ -210,17 +210,27 @@ def test_the_sweep_never_runs_retention_without_an_archive(kit, settings, mixed_
     assert runner.recent_runs() == []
 
 
-def test_a_month_past_the_window_leaves_as_tables_and_what_it_kept_stays_exactly(partitioned_kit, store):
-    kit = partitioned_kit
-    # The month of the mixed ledger's events (~200 days old, older than the months a partitioned ledger
-    # starts with) as a partition of its own, made before they are recorded.
+def _month_partition(kit) -> tuple:
+    """The month of the mixed ledger's events (~200 days old, older than the months a partitioned ledger
+    starts with) as a partition of its own, made before they are recorded."""
     month = kit.query("SELECT date_trunc('month', now() - interval '200 days')::date AS m")[0]["m"]
     kit.execute("SELECT ledger.partition_create(%s)", (month,))
+    return month, f"{month:%Y_%m}"
+
+
+def _leftover_tables(kit) -> list[str]:
+    return [r["t"] for r in kit.query("SELECT relname::text AS t FROM pg_class WHERE relname ~ '_(kept|gone)$'")]
+
+
+def test_a_month_past_the_window_leaves_as_tables_and_what_it_kept_stays_exactly(partitioned_kit, store):
+    kit = partitioned_kit
+    month, suffix = _month_partition(kit)
     mixed_ledger = build_mixed_ledger(kit)
-    name = f"events_{month:%Y_%m}"
     everything = {v for v in mixed_ledger.values() if isinstance(v, str)}
     assert {r["p"] for r in kit.query("SELECT DISTINCT tableoid::regclass::text AS p FROM ledger.events")} == {
-        f"ledger.{name}"}
+        f"ledger.events_{suffix}"}
+    old_tables = kit.query("SELECT %s::regclass::oid AS e, %s::regclass::oid AS d, %s::regclass::oid AS a",
+                           (f"ledger.events_{suffix}", f"ledger.deliveries_{suffix}", f"ledger.attempts_{suffix}"))[0]
     leave = mixed_ledger["leave"]
     kept = everything - leave
     before = ledger_rows(kit, everything)
@@ -229,24 +239,98 @@ def test_a_month_past_the_window_leaves_as_tables_and_what_it_kept_stays_exactly
     report = runner.run()
 
     assert report.status == "done", report.error
-    assert (report.removed, report.partitions_dropped, report.kept_in_default) == (len(leave), 1, len(kept))
-    gone = kit.query("SELECT to_regclass(%s) AS e, to_regclass(%s) AS d, to_regclass(%s) AS a",
-                     (f"ledger.{name}", f"ledger.deliveries_{month:%Y_%m}", f"ledger.attempts_{month:%Y_%m}"))[0]
-    assert gone == {"e": None, "d": None, "a": None}
-    # What the month kept is in the default partition, every row as it was, and still deduplicates.
+    assert (report.removed, report.partitions_dropped, report.kept_in_month, report.months_deferred) == (
+        len(leave), 1, len(kept), 0)
+    # The month's partitions are new tables holding what it kept, every row as it was; the old ones, and
+    # every table the swap staged, are gone; the kept events still deduplicate.
+    now = kit.query("SELECT %s::regclass::oid AS e, %s::regclass::oid AS d, %s::regclass::oid AS a",
+                    (f"ledger.events_{suffix}", f"ledger.deliveries_{suffix}", f"ledger.attempts_{suffix}"))[0]
+    assert not set(now.values()) & set(old_tables.values())
+    assert _leftover_tables(kit) == []
     assert ledger_rows(kit, kept) == _only(before, kept)
     assert {r["p"] for r in kit.query("SELECT DISTINCT tableoid::regclass::text AS p FROM ledger.events")} == {
-        "ledger.events_default"}
+        f"ledger.events_{suffix}"}
+    assert kit.query("SELECT count(*) AS n FROM ledger.audit WHERE event_id = ANY(%s)", (list(leave),)) == [{"n": 0}]
     assert kit.query("SELECT month, kept, run_id FROM ledger.dropped_partitions") == [
         {"month": month, "kept": len(kept), "run_id": report.run_id}]
-    assert Partitions(kit.pool()).health().strays == 0  # kept on purpose, not strays
+    assert Partitions(kit.pool()).health().strays == 0
     [run] = runner.recent_runs(1)
-    assert run["partitions_dropped"] == 1
+    assert (run["partitions_dropped"], run["removed"]) == (1, len(leave))
 
     [key] = report.files
     assert runner.restore(key) == (len(leave), 0)
     assert ledger_rows(kit, everything) == before
-    assert runner.run().partitions_dropped == 0
+    # Restored, they are past their window again: the next run takes them again, the same way.
+    again = runner.run()
+    assert (again.removed, again.partitions_dropped, again.kept_in_month) == (len(leave), 1, len(kept))
+    assert ledger_rows(kit, kept) == _only(before, kept)
+
+
+def test_a_month_keeps_the_events_that_changed_while_it_was_replaced(partitioned_kit, store):
+    """Between the archive and the swap a processed event gets a redelivery (the file holds it without)
+    and a kept one is processed: both stay, each as it is now, and the archived one's next run archives it."""
+    kit = partitioned_kit
+    month, suffix = _month_partition(kit)
+    mixed_ledger = build_mixed_ledger(kit)
+    redelivered, finished = mixed_ledger["processed_old_2"], mixed_ledger["received_old"]
+
+    def meanwhile(manifest):
+        kit.execute("INSERT INTO ledger.deliveries (event_id, event_created, source) "
+                    "SELECT id, stripe_created, 'webhook' FROM ledger.events WHERE id = %s", (redelivered,))
+        kit.execute("UPDATE ledger.events SET status = 'processed', processed_at = now() WHERE id = %s", (finished,))
+
+    runner = Retention(kit.pool("retention"), store, RetentionPolicy(processed_days=30, failed_days=60),
+                       before_removal=meanwhile)
+    report = runner.run()
+
+    assert report.status == "done", report.error
+    assert (report.removed, report.changed, report.partitions_dropped) == (len(mixed_ledger["leave"]) - 1, 1, 1)
+    assert kit.deliveries(redelivered) == 2
+    assert kit.query("SELECT status FROM ledger.events WHERE id = %s", (finished,)) == [{"status": "processed"}]
+    assert kit.query("SELECT count(*) AS n FROM ledger.partition_changes") == [{"n": 0}]
+    assert _leftover_tables(kit) == []
+
+
+def test_a_run_that_died_inside_a_month_replacement_is_finished_by_the_next(partitioned_kit, store):
+    kit = partitioned_kit
+    _month_partition(kit)
+    mixed_ledger = build_mixed_ledger(kit)
+    everything = {v for v in mixed_ledger.values() if isinstance(v, str)}
+    before = ledger_rows(kit, everything)
+
+    def die(manifest):
+        raise RuntimeError("the runner's host went away")
+
+    policy = RetentionPolicy(processed_days=30, failed_days=60)
+    original = Retention._replace_month
+
+    def stage_then_die(self, report, key, month, ids):
+        # Archived ids written and the month staged, then the process is gone before its swap.
+        from datetime import date
+
+        from ledger.queries import SQL
+        first = date.fromisoformat(f"{month}-01")
+        with self._pool.get().connection() as conn, conn.transaction():
+            with conn.cursor().copy(SQL.retention_archived_copy) as copy:
+                for event_id in ids:
+                    copy.write_row((report.run_id, first, event_id))
+        self._all(SQL.partition_month_stage, {"run_id": report.run_id, "month": first})
+        raise RuntimeError("the runner's host went away")
+
+    Retention._replace_month = stage_then_die
+    try:
+        assert Retention(kit.pool("retention"), store, policy).run().status == "failed"
+    finally:
+        Retention._replace_month = original
+    assert _leftover_tables(kit) != [] and ledger_rows(kit, everything) == before
+
+    report = Retention(kit.pool("retention"), store, policy).run()
+
+    assert report.status == "done", report.error
+    assert (report.removed, report.partitions_dropped) == (len(mixed_ledger["leave"]), 1)
+    assert _leftover_tables(kit) == []
+    assert kit.query("SELECT count(*) AS n FROM ledger.retention_archived") == [{"n": 0}]
+    assert ledger_rows(kit, everything - mixed_ledger["leave"]) == _only(before, everything - mixed_ledger["leave"])
 
 
 def _only(rows: dict[str, list[str]], ids) -> dict[str, list[str]]:
