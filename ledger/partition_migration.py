@@ -158,7 +158,7 @@ class PartitionMigration:
         for attempt in range(BATCH_TRIES):
             try:
                 with self._pool.get().connection() as conn, conn.transaction():
-                    conn.execute(SQL.partition_migration_lock_timeout, {"lock_ms": BATCH_LOCK_MS})
+                    conn.execute(SQL.lock_timeout, {"lock_ms": BATCH_LOCK_MS})
                     cursor = conn.cursor(row_factory=dict_row).execute(statement, params)
                     return (cursor.fetchall() if cursor.description else []), cursor.rowcount
             except GAVE_WAY:
@@ -215,7 +215,7 @@ class PartitionMigration:
 
     def _ddl(self, statement: str) -> None:
         with self._pool.get().connection() as conn, conn.transaction():
-            conn.execute(SQL.partition_migration_lock_timeout, {"lock_ms": LOCK_MS})
+            conn.execute(SQL.lock_timeout, {"lock_ms": LOCK_MS})
             conn.execute(statement)
 
     def _verify(self) -> None:
@@ -235,19 +235,19 @@ class PartitionMigration:
 
     def _cleanup(self) -> None:
         with self._pool.get().connection() as conn, conn.transaction():
-            conn.execute(SQL.partition_migration_lock_timeout, {"lock_ms": LOCK_MS})
+            conn.execute(SQL.lock_timeout, {"lock_ms": LOCK_MS})
             tables = [pgsql.Identifier("ledger", name) for name, in conn.execute(SQL.partition_migration_set_aside)]
             if tables:
-                conn.execute(pgsql.SQL(SQL.partition_migration_lock_set_aside).format(
+                conn.execute(pgsql.SQL(SQL.lock_exclusive).format(
                     tables=pgsql.SQL(", ").join(tables)))
             conn.execute(SQL.partition_migration_cleanup)
 
     def _swap(self, report: MigrationReport) -> None:
         started = time.monotonic()
         with self._pool.get().connection() as conn, conn.transaction():
-            conn.execute(SQL.partition_migration_lock_timeout, {"lock_ms": LOCK_MS})
+            conn.execute(SQL.lock_timeout, {"lock_ms": LOCK_MS})
             dependents = [pgsql.SQL(", ") + pgsql.Identifier("ledger", name)
-                          for name, in conn.execute(SQL.partition_migration_dependents)]
+                          for name, in conn.execute(SQL.event_dependent_tables)]
             conn.execute(pgsql.SQL(SQL.partition_migration_lock).format(dependents=pgsql.Composed(dependents)))
             conn.execute(SQL.partition_migration_swap)
         report.swap_s = time.monotonic() - started

@@ -155,7 +155,7 @@ class Retention:
         for attempt in range(DROP_TRIES):
             try:
                 with self._pool.get().connection() as conn, conn.transaction():
-                    conn.execute(SQL.partition_lock_timeout, {"lock_ms": DROP_LOCK_MS})
+                    conn.execute(SQL.lock_timeout, {"lock_ms": DROP_LOCK_MS})
                     return step(conn)
             except (errors.LockNotAvailable, errors.DeadlockDetected):
                 time.sleep(DROP_LOCK_MS / 1000 * (attempt + 1))
@@ -216,18 +216,21 @@ class Retention:
         """After a month's swap: its detached tables dropped (or by the next run, if they stayed locked), the
         plain tables' rows of its gone events deleted, its archived ids cleared."""
         params = {"run_id": run_id, "month": month}
-
-        def drop(conn) -> bool:
-            gone = [pgsql.Identifier("ledger", name) for name, in conn.execute(SQL.partition_month_gone, params)]
-            if gone:
-                conn.execute(pgsql.SQL(SQL.partition_month_lock_gone).format(tables=pgsql.SQL(", ").join(gone)))
-                conn.execute(SQL.partition_month_drop_gone, params)
-            return True
-        self._locked(drop)
+        self._drop_gone(month)
         for row in self._all(SQL.event_dependent_tables):
             self._all(pgsql.SQL(SQL.retention_dependents_gone).format(table=pgsql.Identifier("ledger", row["name"])),
                       params)
         self._all(SQL.retention_archived_clear, params)
+
+    def _drop_gone(self, month: date) -> None:
+        def drop(conn) -> bool:
+            gone = [pgsql.Identifier("ledger", name)
+                    for name, in conn.execute(SQL.partition_month_gone, {"month": month})]
+            if gone:
+                conn.execute(pgsql.SQL(SQL.lock_exclusive).format(tables=pgsql.SQL(", ").join(gone)))
+                conn.execute(SQL.partition_month_drop_gone, {"month": month})
+            return True
+        self._locked(drop)
 
     def _finish_leftovers(self) -> None:
         """What a run that died left of a month's replacement: a swap that committed is finished, staged
@@ -241,7 +244,7 @@ class Retention:
             if row["kind"] == "kept":
                 self._all(SQL.partition_month_unstage, row)
             else:
-                self._finish_swapped(0, row["month"])
+                self._drop_gone(row["month"])
 
     def _archive(self, report: RunReport, tmp: Path) -> dict[str, ArchiveWriter]:
         """Every event past its window into its month's file: the table read once, a slice of blocks

@@ -113,9 +113,10 @@ WITH batch AS (
 )
 UPDATE {table} x SET event_created = b.stripe_created FROM batch b WHERE x.ctid = b.row_id
 
--- name: partition_migration_lock_timeout
--- The swap's first statement: how long its lock may be waited for (a receiver's insert waits
--- behind it meanwhile).
+-- name: lock_timeout
+-- The first statement of a transaction that takes the ledger's tables' locks (the migration's
+-- steps, a month's watch, swap and drop): how long each lock may be waited for (a receiver's
+-- insert queues behind the wait meanwhile).
 SELECT set_config('lock_timeout', %(lock_ms)s || 'ms', true)
 
 -- name: partition_migration_lock
@@ -125,7 +126,7 @@ SELECT set_config('lock_timeout', %(lock_ms)s || 'ms', true)
 -- waited for while a writer holding it waits for events: a deadlock, not a lock timeout.
 LOCK TABLE ledger.events, ledger.attempts, ledger.deliveries{dependents} IN ACCESS EXCLUSIVE MODE
 
--- name: partition_migration_dependents
+-- name: event_dependent_tables
 SELECT name FROM ledger.event_dependent_tables() ORDER BY name
 
 -- name: partition_migration_counts
@@ -140,8 +141,7 @@ SELECT (SELECT count(*) FROM ledger.events) AS events, (SELECT count(*) FROM led
 SELECT ledger.partition_migration_swap()
 
 -- name: partition_migration_cleanup
--- After the swap: the tables set aside dropped. The caller holds their locks
--- (partition_migration_lock_set_aside).
+-- After the swap: the tables set aside dropped. The caller holds their locks (lock_exclusive).
 SELECT ledger.partition_migration_cleanup()
 
 -- name: partition_migration_set_aside
@@ -151,13 +151,12 @@ SELECT t.name || '_before_partitions' AS name
  WHERE to_regclass(format('ledger.%%I', t.name || '_before_partitions')) IS NOT NULL
  ORDER BY t.name <> 'events', t.name
 
--- name: partition_migration_lock_set_aside
--- The cleanup's first statement after its lock timeout: the tables set aside, exclusively, events
--- first. Nobody writes them any more, but a statement prepared before the swap still locks
--- them (by their old names' objects) before Postgres sees its plan is stale and plans it
--- again: a receiver's insert locks the old events, then the old deliveries. Dropped one by
--- one, a drop holding the old deliveries would wait for such a receiver while it waits for the
--- drop. {tables}: partition_migration_set_aside's.
+-- name: lock_exclusive
+-- Tables nobody writes any more, about to be dropped (the tables a migration's swap set aside, the
+-- partitions a month's swap detached), exclusively, events first. A statement planned before the
+-- swap still locks them (events, then the others) before Postgres sees its plan is stale and
+-- plans it again. Dropped one by one, a drop holding the old deliveries would wait for such a
+-- statement while it waits for the drop. {tables}: events' first.
 LOCK TABLE {tables} IN ACCESS EXCLUSIVE MODE
 
 -- name: partition_migration_abort

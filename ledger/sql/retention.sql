@@ -36,11 +36,6 @@ SELECT starts::date AS month
  WHERE NOT is_default AND ends < now() - make_interval(days => %(processed_days)s)
  ORDER BY starts
 
--- name: partition_lock_timeout
--- A statement on the ledger's tables' locks: how long it may wait for them (a receiver's insert
--- queues behind it meanwhile).
-SELECT set_config('lock_timeout', %(lock_ms)s || 'ms', true)
-
 -- name: partition_month_watch
 SELECT ledger.partition_month_watch(%(month)s) AS watched
 
@@ -61,13 +56,6 @@ SELECT kept, changed, archived_kept FROM ledger.partition_month_swap(%(month)s, 
 
 -- name: partition_month_gone
 SELECT ledger.partition_month_gone(%(month)s) AS name
-
--- name: partition_month_lock_gone
--- The detached tables, exclusively, events first, before they are dropped. Nobody writes them,
--- but a statement planned before the swap still locks them (events, then the others) before
--- Postgres sees the plan is stale; dropped one by one, a drop could wait for such a statement
--- while it waits for the drop. {tables}: partition_month_gone's.
-LOCK TABLE {tables} IN ACCESS EXCLUSIVE MODE
 
 -- name: partition_month_drop_gone
 SELECT ledger.partition_month_drop_gone(%(month)s)
@@ -92,9 +80,6 @@ SELECT DISTINCT a.run_id, a.month,
 DELETE FROM {table} x USING ledger.retention_archived a
  WHERE a.run_id = %(run_id)s AND a.month = %(month)s AND x.event_id = a.event_id
    AND NOT EXISTS (SELECT 1 FROM ledger.events e WHERE e.id = x.event_id)
-
--- name: event_dependent_tables
-SELECT name FROM ledger.event_dependent_tables() ORDER BY name
 
 -- name: events_heap_blocks
 -- How far a run reads: each table holding events (ledger.events itself, or each of its
@@ -167,7 +152,7 @@ WITH archived AS (
       JOIN archived a ON a.id = l.id AND a.fingerprint = md5(l.line)
 ), gone AS (
     DELETE FROM ledger.events e USING unchanged u WHERE e.id = u.id
-    RETURNING e.id, e.stripe_created
+    RETURNING e.id
 ), deliveries AS (
     DELETE FROM ledger.deliveries x USING gone g WHERE x.event_id = g.id
        AND (%(created_from)s::timestamptz IS NULL
