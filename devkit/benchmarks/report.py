@@ -798,6 +798,11 @@ def summary(name: str, result: dict[str, Any]) -> tuple[str, str]:
 
         text, values = rescue_summary(result)
         return text, kv("rescue", values)
+    if name == "retention":
+        from .retention import summary as retention_summary
+
+        text, values = retention_summary(result)
+        return text, kv("retention", values)
     if name == "profile":
         parts = []
         for who in ("receiver", "worker"):

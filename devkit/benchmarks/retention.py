@@ -7,7 +7,8 @@ by SQL, received evenly over the last 180 days: 97% processed, 1% failed_permane
 of about 1.5 KB, pretty-printed as Stripe sends them. Then one retention run (processed kept 90 days,
 failed_permanent 120) into an archive directory, or with ``--s3`` a bucket of a moto server process, over
 HTTP. Printed: events archived per second (reading, compressing, writing and reading back the files),
-removed per second, the longest removal transaction, the archive's size, the machine's busy share.
+removed per second, the longest removal transaction, the archive's size, the machine's busy share, and
+the run's CPU per archived event (the private server's and this process's).
 
 ``--writers RATE``: meanwhile, new events are recorded at RATE a second through the receiver's own
 statement (ledger.deliveries.EventStore.record_delivery, on a pool of its own), from 20 s before the run
@@ -15,6 +16,8 @@ to its end; printed: that statement's latency (p50, p99, max) before the run and
 a receiver's acknowledgement waits on (a diagnostic, not the receiver's ack time).
 
     ops/devkit-run devkit.benchmarks.retention [--events 3000000] [--s3] [--partitioned] [--writers 100]
+
+``scenario`` below is ``ops/bench retention``: the same run as users run the stack, beside an empty ledger.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -168,7 +172,8 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="ledger-retention-bench-"))
     cleanup = Cleanup("retention-bench")
     try:
-        url = migrated_database(cleanup, "retention_bench", partitioned=args.partitioned)
+        servers: list = []
+        url = migrated_database(cleanup, "retention_bench", partitioned=args.partitioned, servers=servers)
         print(f"filling {args.events:,} events over {DAYS} days", flush=True)
         fill(url, args.events)
         if args.s3:
@@ -194,7 +199,11 @@ def main() -> int:
             time.sleep(20)
             writers.phase = "during"
         cpu_before = cpu_times()
+        # Where the run's CPU goes: Postgres (every backend, reaped ones too) and this process (the runner's
+        # compressing, writing and reading back; and the writers' client side, if any).
+        pg_cpu0, own_cpu0 = servers[0].cpu_s(), sum(os.times()[:2])
         report = runner.run()
+        pg_cpu, own_cpu = servers[0].cpu_s() - pg_cpu0, sum(os.times()[:2]) - own_cpu0
         busy = busy_share(cpu_before, cpu_times())
         if writers is not None:
             writers.stop()
@@ -216,10 +225,12 @@ retention run {report.status} on {args.events:,} events ({'S3, moto server' if a
 {report.kept_in_month:,}); longest swap transaction {report.longest_drop_s * 1000:.0f} ms; \
 months that stayed (tables locked) {report.months_deferred}
   whole run {report.seconds:.1f} s; machine busy {busy:.0%}; events left {left:,}
+  CPU per archived event: Postgres {1e6 * pg_cpu / max(report.archived, 1):.1f} µs, the runner's process {1e6 * own_cpu / max(report.archived, 1):.1f} µs (whole run, removal included)
 SUMMARY retention events={args.events} archived={report.archived} archive_eps={archive_eps:.0f} \
 read_s={report.read_s:.2f} store_s={report.store_s:.2f} remove_s={report.remove_s:.2f} \
 longest_removal_ms={report.longest_removal_s * 1000:.0f} partitions_dropped={report.partitions_dropped} \
-longest_drop_ms={report.longest_drop_s * 1000:.0f} months_deferred={report.months_deferred} bytes={archive_bytes} busy={busy:.2f}""", flush=True)
+longest_drop_ms={report.longest_drop_s * 1000:.0f} months_deferred={report.months_deferred} bytes={archive_bytes} busy={busy:.2f} \
+pg_cpu_us_per_event={1e6 * pg_cpu / max(report.archived, 1):.1f} runner_cpu_us_per_event={1e6 * own_cpu / max(report.archived, 1):.1f}""", flush=True)
         return 0 if report.status == "done" else 1
     finally:
         cleanup.run()
@@ -227,3 +238,273 @@ longest_drop_ms={report.longest_drop_s * 1000:.0f} months_deferred={report.month
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# -- ops/bench retention: the README stack on a partitioned ledger, empty and with a history ------------
+
+SCENARIO_EVENTS = 3_000_000
+ACK_RATE = 100.0          # deliveries a second while retention runs: a busy account's steady traffic
+ACK_WINDOW_S = 30.0       # each retention-free window, before the run and after it
+ACK_NOISE = 1.2           # "within noise": at most this times the worse retention-free window's p99
+CONSOLE_REQUESTS = 20
+TARGETS = {
+    "ack_drain_10pct": "ack rate and drain rate with the history within 10% of the empty ledger's",
+    "swap_1s": "a month past the window leaves in a swap holding locks <= 1 s",
+    "ack_p99_noise": f"ack p99 during the run <= {ACK_NOISE:g} x the worse retention-free window's",
+    "archive_20k": f"archive >= {TARGET_ARCHIVE_EPS:,} events/s",
+    "console_100ms": "every console page <= 100 ms p95 with the history",
+}
+
+
+class PacedClient:
+    """Signed deliveries POSTed to the receiver at a fixed rate, open loop: each is sent at its scheduled
+    time whatever the earlier answers did, and its acknowledgement is timed from that time (a stalled
+    receiver shows as latency, not as fewer requests). Each answer is kept under the phase it was
+    scheduled in; an answer other than 2xx, or none, is an error."""
+
+    def __init__(self, port: int, deliveries, rate: float, *, threads: int = 8):
+        import threading
+
+        self._port, self._deliveries, self._rate = port, deliveries, rate
+        self.phase = "before"
+        self.latencies: dict[str, list[float]] = {}
+        self.errors: dict[str, int] = {}
+        self._next = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, name=f"paced-{i}", daemon=True) for i in range(threads)]
+
+    def _run(self) -> None:
+        import http.client
+
+        while not self._stop.is_set():
+            with self._lock:
+                n = self._next
+                self._next += 1
+                phase = self.phase
+            if n >= len(self._deliveries):
+                return
+            due = self._started + n / self._rate
+            wait = due - time.monotonic()
+            if wait > 0 and self._stop.wait(wait):
+                return
+            d = self._deliveries[n]
+            ok = False
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self._port, timeout=30)
+                conn.request("POST", d.path, body=d.body.encode(), headers={
+                    "Content-Type": "application/json", "Stripe-Signature": d.signature})
+                ok = 200 <= conn.getresponse().status < 300
+                conn.close()
+            except OSError:
+                pass
+            with self._lock:
+                if ok:
+                    self.latencies.setdefault(phase, []).append((time.monotonic() - due) * 1000)
+                else:
+                    self.errors[phase] = self.errors.get(phase, 0) + 1
+
+    def start(self) -> "PacedClient":
+        self._started = time.monotonic()
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+
+    def summary(self, phase: str) -> dict[str, float]:
+        values = sorted(self.latencies.get(phase, []))
+
+        def q(share: float) -> float:
+            return values[min(len(values) - 1, int(share * len(values)))] if values else 0.0
+        return {"acks": len(values), "p50_ms": q(0.5), "p99_ms": q(0.99), "max_ms": values[-1] if values else 0.0,
+                "errors": self.errors.get(phase, 0)}
+
+
+def _partition(b) -> None:
+    """The bench's ledger partitioned by month, as ``ledgerctl partitions migrate`` does it (empty: at once)."""
+    from ledger.config import Settings
+    from ledger.db import ProcessPool
+    from ledger.partition_migration import PartitionMigration
+
+    if b.db.one("SELECT ledger.is_partitioned()"):
+        return
+    pool = ProcessPool(Settings(database_url=b.db.url), name="bench-partitions")
+    try:
+        PartitionMigration(pool).run()
+    finally:
+        pool.close()
+
+
+def _console_pages(b, log) -> dict[str, Any]:
+    """The console's pages (console_list's) on the ledger as it is, ``CONSOLE_REQUESTS`` times each."""
+    from ops.console.auth import hash_password
+
+    from devkit.stack import Console
+
+    from .console_list import PAGES, PASSWORD, measure, p, session
+
+    env = {**b.env, "LEDGER_CONSOLE_USERS": f"bench:{hash_password(PASSWORD)}",
+           "LEDGER_CONSOLE_SECRET_KEY": "b" * 48, "LOG_LEVEL": "WARNING"}
+    console = Console(env, b.work).start()
+    try:
+        client = session(console.url)
+        pages = {name: path for name, path in PAGES.items() if path is not None and "evt_" not in path}
+        rows = {}
+        for name, path in pages.items():
+            times = measure(client, console.url + path, CONSOLE_REQUESTS)
+            rows[name] = {"p50_ms": p(times, 0.5), "p95_ms": p(times, 0.95), "max_ms": max(times)}
+        worst = max(rows, key=lambda k: rows[k]["p95_ms"])
+        log(f"  console: worst page {worst} p95 {rows[worst]['p95_ms']:.1f} ms")
+        return {"pages": rows, "worst": worst, "worst_p95_ms": rows[worst]["p95_ms"]}
+    finally:
+        console.kill()
+
+
+def _acks_around_a_run(b, log) -> dict[str, Any]:
+    """The README workers and a paced client at ACK_RATE: a retention-free window, ``ledgerctl retention
+    run`` (a process of its own, as an operator or the sweep runs it), another retention-free window."""
+    import json as json_mod
+    import subprocess
+
+    from .stack import MachineCpu
+
+    rc = b.receiver()
+    seconds = 2 * ACK_WINDOW_S + 600
+    deliveries = b.deliveries(b.templates, int(ACK_RATE * seconds), seed=311)
+    archive = b.work / "retention-archive"
+    env = {**b.env, "LEDGER_ARCHIVE_URL": str(archive), "LEDGER_RETAIN_PROCESSED_DAYS": "90",
+           "LEDGER_RETAIN_FAILED_DAYS": "120"}
+    phases: dict[str, Any] = {}
+    with b.readme_fleet():
+        client = PacedClient(rc.port, deliveries, ACK_RATE).start()
+        try:
+            for phase in ("before", "during", "after"):
+                client.phase = phase
+                machine = MachineCpu().begin()
+                started = time.monotonic()
+                if phase == "during":
+                    log(f"retention: ledgerctl retention run, {ACK_RATE:g} deliveries/s meanwhile")
+                    done = subprocess.run([b.checkout.tool("ledgerctl"), "retention", "run", "--json"], env=env,
+                                          capture_output=True, text=True, timeout=3600)
+                    if done.returncode != 0:
+                        raise RuntimeError(f"ledgerctl retention run exited {done.returncode}: {done.stderr[-2000:]}")
+                    run = json_mod.loads(done.stdout)
+                else:
+                    time.sleep(ACK_WINDOW_S)
+                phases[phase] = {"seconds": time.monotonic() - started, "busy": machine.end()["busy"]}
+        finally:
+            client.stop()
+    for phase in phases:
+        phases[phase].update(client.summary(phase))
+        s = phases[phase]
+        log(f"  {phase:<6} {s['acks']:5d} acks p50 {s['p50_ms']:6.1f} ms p99 {s['p99_ms']:6.1f} ms max "
+            f"{s['max_ms']:7.1f} ms errors {s['errors']} ({s['seconds']:.0f} s, machine {100 * s['busy']:.0f}% busy)")
+    archive_s = run["read_s"] + run["store_s"]
+    run["archive_eps"] = run["archived"] / archive_s if archive_s else 0.0
+    run["archive_bytes"] = sum(f.stat().st_size for f in archive.rglob("*") if f.is_file())
+    log(f"  run {run['status']}: archived {run['archived']:,} at {run['archive_eps']:,.0f} events/s, removed "
+        f"{run['removed']:,}; months replaced {run['partitions_dropped']} (longest swap "
+        f"{1000 * run['longest_drop_s']:.0f} ms), deferred {run['months_deferred']}")
+    return {"rate": ACK_RATE, "phases": phases, "run": run}
+
+
+def scenario(b) -> dict[str, Any]:
+    """ops/bench retention (issue 30's targets): the README stack on two partitioned ledgers of one server,
+    one empty and one with a history of SCENARIO_EVENTS processed events over DAYS days written straight
+    into the tables; ingest and drain on each, taking turns twice (empty, history, empty, history: the
+    machine's drift falls on both); the console's pages with the history; acknowledgements at ACK_RATE a
+    second before, during and after one retention run (processed kept 90 days, failed_permanent 120)."""
+    from ledger.migrate import migrate
+
+    from . import revisions
+    from .scenarios import drain, ingest, log, prefill_history
+
+    total = 100_000 if b.opts.quick else SCENARIO_EVENTS
+    label = f"{total // 1_000_000}M" if total % 1_000_000 == 0 else f"{total // 1000}k"
+    sides = {"empty": b.side, label: b._side(revisions.current(), "ledger_bench_history", migrate)}
+    for name, side in sides.items():
+        with b.using(side):
+            _partition(b)
+            b.label = "empty"
+            b.clear()
+    with b.using(sides[label]):
+        b.db.q("SELECT ledger.partition_create(m::date) FROM generate_series(date_trunc('month', now() - "
+               "make_interval(days => %(days)s + 1)), date_trunc('month', now()), interval '1 month') m",
+               {"days": DAYS})
+        history = prefill_history(b, total, days=DAYS, step_s=DAYS * 86400 / total)
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
+    try:
+        for round_ in (1, 2):
+            for name, side in sides.items():
+                with b.using(side):
+                    b.label = name
+                    log(f"retention: ingest and drain [{name}], round {round_}")
+                    rounds[name].append({"ingest": ingest(b), "drain": drain(b)})
+        with b.using(sides[label]):
+            b.label = label
+            console = _console_pages(b, log)
+            acks = _acks_around_a_run(b, log)
+            b.clear()
+    finally:
+        b.label = "empty"
+
+    # Each figure: its value on each ledger in each round, and the ratio of the rounds' means.
+    empty, full = rounds["empty"], rounds[label]
+    figures: dict[str, dict[str, Any]] = {}
+    for i, level in enumerate(empty[0]["ingest"]["levels"]):
+        figures[f"ingest req/s c={level['concurrency']}"] = {
+            k: [r["ingest"]["levels"][i]["rps"] for r in rounds[n]] for k, n in (("empty", "empty"), ("history", label))}
+    for i, run_ in enumerate(empty[0]["drain"]["runs"]):
+        figures[f"drain events/s workers={run_['workers']}"] = {
+            k: [r["drain"]["runs"][i]["events_per_s"] for r in rounds[n]] for k, n in (("empty", "empty"), ("history", label))}
+    for f in figures.values():
+        f["ratio"] = (sum(f["history"]) / len(f["history"])) / (sum(f["empty"]) / len(f["empty"]) or 1)
+    ratios = {name: f["ratio"] for name, f in figures.items()}
+    ph = acks["phases"]
+    quiet_p99 = max(ph["before"]["p99_ms"], ph["after"]["p99_ms"])
+    run = acks["run"]
+    targets = {
+        "ack_drain_10pct": min(ratios.values()) >= 0.9,
+        "swap_1s": run["partitions_dropped"] > 0 and run["longest_drop_s"] <= 1.0,
+        "ack_p99_noise": ph["during"]["p99_ms"] <= ACK_NOISE * quiet_p99,
+        "archive_20k": run["archive_eps"] >= TARGET_ARCHIVE_EPS,
+        "console_100ms": console["worst_p95_ms"] <= 100.0,
+    }
+    return {"events": total, "days": DAYS, "history": history, "empty": empty, "full": full, "ratios": ratios, "figures": figures,
+            "console": console, "acks": acks, "quiet_p99_ms": quiet_p99, "targets": targets}
+
+
+def summary(result: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The scenario's text for the report, and its key figures."""
+    lines = [f"partitioned ledger; history {result['events']:,} processed events over {result['days']} days "
+             f"(database {result['history']['database_mb']:.0f} MB)", "",
+             "| figure | empty, rounds 1 and 2 | with the history, rounds 1 and 2 | history / empty (means) |",
+             "|---|---:|---:|---:|"]
+    lines += [f"| {name} | {', '.join(f'{v:,.0f}' for v in f['empty'])} | {', '.join(f'{v:,.0f}' for v in f['history'])} "
+              f"| {f['ratio']:.3f} |" for name, f in result["figures"].items()]
+    ph, run = result["acks"]["phases"], result["acks"]["run"]
+    lines += ["", f"acknowledgements at {result['acks']['rate']:g}/s (paced, open loop), README workers running:", "",
+              "| window | acks | p50 ms | p99 ms | max ms | errors | machine busy |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {name} | {s['acks']} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} | {s['max_ms']:.1f} | {s['errors']} | "
+              f"{100 * s['busy']:.0f}% |" for name, s in (("before the run", ph["before"]),
+                                                         ("during the run", ph["during"]),
+                                                         ("after the run", ph["after"]))]
+    lines += ["", f"retention run {run['status']}: archived {run['archived']:,} events at {run['archive_eps']:,.0f}/s "
+              f"(reading and compressing {run['read_s']:.1f} s, writing and reading back {run['store_s']:.1f} s), "
+              f"{run['archive_bytes'] / 1e6:.0f} MB; removed {run['removed']:,}; months replaced "
+              f"{run['partitions_dropped']} (kept {run['kept_in_month']:,}), longest swap "
+              f"{1000 * run['longest_drop_s']:.0f} ms, months deferred {run['months_deferred']}; whole run "
+              f"{run['seconds']:.0f} s",
+              f"console, worst page: {result['console']['worst']} p95 {result['console']['worst_p95_ms']:.1f} ms", ""]
+    lines += [f"- {TARGETS[key]}: **{'met' if ok else 'not met'}**" for key, ok in result["targets"].items()]
+    values = {"min_ratio": min(result["ratios"].values()), "archive_eps": run["archive_eps"],
+              "longest_swap_ms": 1000 * run["longest_drop_s"], "ack_p99_before_ms": ph["before"]["p99_ms"],
+              "ack_p99_during_ms": ph["during"]["p99_ms"], "ack_p99_after_ms": ph["after"]["p99_ms"],
+              "ack_errors": sum(s["errors"] for s in ph.values()), "console_worst_p95_ms": result["console"]["worst_p95_ms"],
+              "months_replaced": run["partitions_dropped"], "months_deferred": run["months_deferred"]}
+    values.update({f"target_{key}": "met" if ok else "not_met" for key, ok in result["targets"].items()})
+    return "\n".join(lines), values

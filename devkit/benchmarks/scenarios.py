@@ -38,6 +38,7 @@ from .loadgen import Wrk
 from .payloads import SignedDelivery
 from .pg import BenchDatabase, run_pgbench, url_parts
 from .rescue import rescue
+from .retention import scenario as retention_scenario
 from .revisions import Revision
 from .stack import MachineCpu, ProcessWatch, Stack, WorkerFleet, bench_postgres, wire_segments
 from .workload import (BacklogEvent, DrainScript, EventSource, history_sql, ingest_scripts, load_received,
@@ -1371,18 +1372,20 @@ def sweep(b: Bench) -> dict[str, Any]:
     return out
 
 
-def prefill_history(b: Bench) -> dict[str, Any]:
-    """The history, written set-based (INSERT ... SELECT generate_series) on two connections at
+def prefill_history(b: Bench, total: int | None = None, *, days: float = 400.0,
+                    step_s: float = 30.0) -> dict[str, Any]:
+    """The history (``total`` events, by default --history-events, received ``days`` ago plus
+    ``step_s`` per event), written set-based (INSERT ... SELECT generate_series) on two connections at
     once; the events' non-partial secondary indexes are dropped for the load and rebuilt
     from their own definitions, then everything is vacuumed and analysed."""
-    total = b.opts.history_events
-    log(f"scale: writing {total:,} processed events and their business rows (set-based SQL)")
+    total = total or b.opts.history_events
+    log(f"writing a history of {total:,} processed events and their business rows (set-based SQL)")
     b.clear()
     sample = b.source.events[0]
     template = payloads.body(sample).replace(sample["id"], "__EVT__").replace(
         sample["data"]["object"]["id"], "__CUS__")
     compact = json.dumps(json.loads(template), separators=(",", ":"))
-    events_sql, other_sql, params = history_sql(total, compact)
+    events_sql, other_sql, params = history_sql(total, compact, days=days, step_s=step_s)
     rebuilt = b.db.q(SQL.bench_history_secondary_indexes)
     started = time.monotonic()
     errors: list[BaseException] = []
@@ -1678,6 +1681,7 @@ def _wait_drained_count(b: Bench, remaining: int, timeout_s: float) -> None:
 SCENARIOS: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "ingest": ingest, "drain": drain, "burst": burst, "replay": replay, "scale": scale, "cost": cost,
     "profile": profile, "steady": steady, "receiver-cost": receiver_cost, "rescue": rescue,
+    "retention": retention_scenario,
 }
 ALL = ("ingest", "drain", "burst", "replay", "scale", "cost", "receiver-cost", "steady")
 # Scenarios that take turns between the revisions of --compare themselves (per level);

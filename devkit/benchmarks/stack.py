@@ -36,14 +36,17 @@ def bench_postgres() -> PrivatePostgres:
     return PrivatePostgres(dir=Path(tempfile.mkdtemp(prefix="ledger-bench-pg-")), options=POSTGRES_OPTIONS)
 
 
-def migrated_database(cleanup, name: str, *, partitioned: bool = False) -> str:
-    """A started bench server (destroyed by ``cleanup``) holding database ``name`` with the ledger's schema
-    (``partitioned``: then partitioned, as ``ledgerctl partitions migrate`` does it); its URL."""
+def migrated_database(cleanup, name: str, *, partitioned: bool = False, servers: list | None = None) -> str:
+    """A started bench server (destroyed by ``cleanup``; appended to ``servers`` if given, for its CPU)
+    holding database ``name`` with the ledger's schema (``partitioned``: then partitioned, as ``ledgerctl
+    partitions migrate`` does it); its URL."""
     import psycopg
 
     from ledger.migrate import migrate
 
     pg = bench_postgres()
+    if servers is not None:
+        servers.append(pg)
     cleanup.add("private postgres", pg.destroy)
     pg.init().start()
     with psycopg.connect(pg.url_for("postgres"), autocommit=True) as conn:

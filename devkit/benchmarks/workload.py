@@ -12,7 +12,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -303,7 +303,8 @@ class DrainScript:
     def text(self) -> str:
         # "ids": a claim of the wake-ups a worker holds, here the one event (a one-element array).
         ledger = {"id": ":ev_id", "ids": "ARRAY[:ev_id]::text[]", "worker": ":worker",
-                  "lease_owner": ":lease_owner", "lease_s": ":lease_s", "attempt": ":cl_attempts"}
+                  "lease_owner": ":lease_owner", "lease_s": ":lease_s", "attempt": ":cl_attempts",
+                  "liveness_key": "NULL::bigint"}  # a lease alone, as a worker without liveness claims
         lines = ["\\set i :i + 1",
                  "\\set n :client_id + 1 + :nclients * (:i - 1)",
                  pgbench_sql(SQL.bench_drain_work_row, var=lambda p: ":n").rstrip(";") + " \\gset",
@@ -375,7 +376,8 @@ HISTORY_TYPES = ["customer.created", "customer.subscription.created", "customer.
                  "customer.subscription.updated", "customer.subscription.updated", "customer.subscription.deleted"]
 
 
-def history_sql(total: int, payload_template: str) -> tuple[list[str], list[str], dict[str, Any]]:
+def history_sql(total: int, payload_template: str, *, days: float = 400.0,
+                step_s: float = 30.0) -> tuple[list[str], list[str], dict[str, Any]]:
     """Set-based statements (devkit/sql/bench_load.sql) that write ``total`` processed events
     (one delivery and one attempt each) and the business rows their lifecycles leave: a
     customer, a subscription (half of them canceled, half active with two entitlements),
@@ -383,11 +385,13 @@ def history_sql(total: int, payload_template: str) -> tuple[list[str], list[str]
 
     Two lists of about equal cost that may run at once on two connections
     (foreign-key triggers off: the rows are consistent by construction).
-    ``payload_template`` holds ``__EVT__`` and ``__CUS__`` where the ids go.
+    ``payload_template`` holds ``__EVT__`` and ``__CUS__`` where the ids go. Event g is received
+    ``days`` ago plus ``step_s`` seconds per event.
     """
     head, rest = payload_template.split("__EVT__", 1)
     middle, tail = rest.split("__CUS__", 1)
     params = {"total": total, "lifecycles": total // 10, "types": HISTORY_TYPES,
+              "start": datetime.now(timezone.utc) - timedelta(days=days), "step": timedelta(seconds=step_s),
               "head": head, "middle": middle, "tail": tail}
     # customers, subscriptions and entitlements go with the events; the rest with the deliveries.
     return ([SQL.bench_history_events, SQL.bench_history_customers, SQL.bench_history_subscriptions,

@@ -41,8 +41,8 @@ SELECT * FROM bench.drain_work WHERE n = %(n)s
 
 -- The history (scale): set-based INSERT ... SELECT generate_series, run on two connections
 -- at once with foreign-key triggers off (the rows are consistent by construction). Event g
--- (of `total`) is 'evt_' || substr(md5('e' || g), 1, 24), received 400 days ago plus 30 s per
--- event and processed 150 ms later; lifecycle c (of `lifecycles`) is ten events, whose
+-- (of `total`) is 'evt_' || substr(md5('e' || g), 1, 24), received at `start` plus `step` per
+-- event (scale: 400 days ago, 30 s) and processed 150 ms later; lifecycle c (of `lifecycles`) is ten events, whose
 -- types, in order, are `types`.
 
 -- name: bench_bulk_load_replica
@@ -58,13 +58,13 @@ SET maintenance_work_mem = '512MB'
 INSERT INTO ledger.events (id, type, status, attempts, stripe_created, livemode, api_version, payload,
                            received_at, wakeup_at, processed_at, updated_at)
 SELECT x.id, (%(types)s::text[])[1 + g %% 10], 'processed', 1,
-       now() - interval '400 days' + g * interval '30 seconds', false, '2020-08-27',
+       %(start)s::timestamptz + g * %(step)s::interval, false, '2020-08-27',
        (%(head)s::text || x.id || %(middle)s::text || 'cus_' || substr(md5('c' || g / 10), 1, 24)
         || %(tail)s::text)::json,
-       now() - interval '400 days' + g * interval '30 seconds',
-       now() - interval '400 days' + g * interval '30 seconds',
-       now() - interval '400 days' + g * interval '30 seconds' + interval '150 ms',
-       now() - interval '400 days' + g * interval '30 seconds' + interval '150 ms'
+       %(start)s::timestamptz + g * %(step)s::interval,
+       %(start)s::timestamptz + g * %(step)s::interval,
+       %(start)s::timestamptz + g * %(step)s::interval + interval '150 ms',
+       %(start)s::timestamptz + g * %(step)s::interval + interval '150 ms'
   FROM generate_series(0, %(total)s::integer - 1) AS g,
        LATERAL (SELECT 'evt_' || substr(md5('e' || g), 1, 24) AS id) AS x
  ORDER BY x.id
@@ -72,17 +72,17 @@ SELECT x.id, (%(types)s::text[])[1 + g %% 10], 'processed', 1,
 -- name: bench_history_deliveries
 -- One delivery per event.
 INSERT INTO ledger.deliveries (event_id, event_created, delivered_at)
-SELECT 'evt_' || substr(md5('e' || g), 1, 24), now() - interval '400 days' + g * interval '30 seconds',
-       now() - interval '400 days' + g * interval '30 seconds'
+SELECT 'evt_' || substr(md5('e' || g), 1, 24), %(start)s::timestamptz + g * %(step)s::interval,
+       %(start)s::timestamptz + g * %(step)s::interval
   FROM generate_series(0, %(total)s::integer - 1) AS g
 
 -- name: bench_history_attempts
 -- One processed attempt per event.
 INSERT INTO ledger.attempts (event_id, event_created, attempt, worker, lease_owner, started_at, finished_at, outcome)
-SELECT 'evt_' || substr(md5('e' || g), 1, 24), now() - interval '400 days' + g * interval '30 seconds', 1,
+SELECT 'evt_' || substr(md5('e' || g), 1, 24), %(start)s::timestamptz + g * %(step)s::interval, 1,
        'history:1', 'history',
-       now() - interval '400 days' + g * interval '30 seconds' + interval '50 ms',
-       now() - interval '400 days' + g * interval '30 seconds' + interval '150 ms', 'processed'
+       %(start)s::timestamptz + g * %(step)s::interval + interval '50 ms',
+       %(start)s::timestamptz + g * %(step)s::interval + interval '150 ms', 'processed'
   FROM generate_series(0, %(total)s::integer - 1) AS g
  ORDER BY 1
 
@@ -90,7 +90,7 @@ SELECT 'evt_' || substr(md5('e' || g), 1, 24), now() - interval '400 days' + g *
 -- One customer per lifecycle, written by its first event.
 INSERT INTO billing.customers (id, email, livemode, metadata, source_event_id, source_event_created)
 SELECT 'cus_' || substr(md5('c' || c), 1, 24), 'cus' || c || '@example.test', false, '{}',
-       'evt_' || substr(md5('e' || c * 10), 1, 24), now() - interval '400 days' + c * interval '300 seconds'
+       'evt_' || substr(md5('e' || c * 10), 1, 24), %(start)s::timestamptz + c * (10 * %(step)s::interval)
   FROM generate_series(0, %(lifecycles)s::integer - 1) AS c
 
 -- name: bench_history_subscriptions
@@ -100,11 +100,11 @@ INSERT INTO billing.subscriptions (id, customer_id, status, price_id, product_id
                                    livemode, source_event_id, source_event_created)
 SELECT 'sub_' || substr(md5('s' || c), 1, 24), 'cus_' || substr(md5('c' || c), 1, 24),
        CASE WHEN c %% 2 = 0 THEN 'canceled' ELSE 'active' END, 'price_hist', 'prod_hist', 1,
-       now() - interval '400 days', now() - interval '370 days',
-       CASE WHEN c %% 2 = 0 THEN now() - interval '370 days' END,
-       CASE WHEN c %% 2 = 0 THEN now() - interval '370 days' END,
+       %(start)s::timestamptz, %(start)s::timestamptz + interval '30 days',
+       CASE WHEN c %% 2 = 0 THEN %(start)s::timestamptz + interval '30 days' END,
+       CASE WHEN c %% 2 = 0 THEN %(start)s::timestamptz + interval '30 days' END,
        '{seats,reports}', false, 'evt_' || substr(md5('e' || (c * 10 + 9)), 1, 24),
-       now() - interval '400 days' + (c * 10 + 9) * interval '30 seconds'
+       %(start)s::timestamptz + (c * 10 + 9) * %(step)s::interval
   FROM generate_series(0, %(lifecycles)s::integer - 1) AS c
 
 -- name: bench_history_invoices
@@ -114,9 +114,9 @@ INSERT INTO billing.invoices (id, customer_id, subscription_id, status, amount_d
                               source_event_created)
 SELECT 'in_' || substr(md5('i' || c || '-' || k), 1, 24), 'cus_' || substr(md5('c' || c), 1, 24),
        'sub_' || substr(md5('s' || c), 1, 24), 'paid', 1500, 1500, 'usd',
-       now() - interval '400 days', now() - interval '370 days', 'subscription_cycle', false,
+       %(start)s::timestamptz, %(start)s::timestamptz + interval '30 days', 'subscription_cycle', false,
        'evt_' || substr(md5('e' || (c * 10 + 6)), 1, 24),
-       now() - interval '400 days' + (c * 10 + 6) * interval '30 seconds'
+       %(start)s::timestamptz + (c * 10 + 6) * %(step)s::interval
   FROM generate_series(0, %(lifecycles)s::integer - 1) AS c, generate_series(1, 2) AS k
 
 -- name: bench_history_transitions
@@ -125,7 +125,7 @@ INSERT INTO billing.subscription_transitions (event_id, event_type, subscription
                                               to_status, applied, event_created)
 SELECT 'evt_' || substr(md5('e' || (c * 10 + s)), 1, 24), (%(types)s::text[])[1 + s],
        'sub_' || substr(md5('s' || c), 1, 24), 'active', 'active', true,
-       now() - interval '400 days' + (c * 10 + s) * interval '30 seconds'
+       %(start)s::timestamptz + (c * 10 + s) * %(step)s::interval
   FROM generate_series(0, %(lifecycles)s::integer - 1) AS c, unnest(ARRAY[1, 2, 5, 7, 8, 9]) AS s
  ORDER BY 1
 
