@@ -121,6 +121,14 @@ def fill(url: str, total: int) -> None:
         conn.execute("VACUUM (ANALYZE) ledger.attempts")
 
 
+def console_variables() -> dict[str, str]:
+    """The console's settings for the bench: one user ("bench", PASSWORD), a secret key, quiet logs."""
+    from ops.console.auth import hash_password
+
+    return {"LEDGER_CONSOLE_USERS": f"bench:{hash_password(PASSWORD)}", "LEDGER_CONSOLE_SECRET_KEY": "b" * 48,
+            "LOG_LEVEL": "WARNING"}
+
+
 def session(base: str) -> requests.Session:
     client = requests.Session()
     page = client.get(f"{base}/login", timeout=10)
@@ -187,17 +195,13 @@ def main() -> int:
     parser.add_argument("--docs", action="store_true", help="write the result into docs/benchmarks.md")
     parser.add_argument("--partitioned", action="store_true", help="partition the ledger first (by month)")
     args = parser.parse_args()
-    from ops.console.auth import hash_password
-
     work = Path(tempfile.mkdtemp(prefix="ledger-console-bench-"))
     cleanup = Cleanup("console-bench")
     try:
         url = migrated_database(cleanup, "console_bench", partitioned=args.partitioned)
         print(f"filling {args.events:,} events", flush=True)
         fill(url, args.events)
-        env = stack_env(url, "redis://127.0.0.1:6379/15", {
-            "LEDGER_CONSOLE_USERS": f"bench:{hash_password(PASSWORD)}", "LEDGER_CONSOLE_SECRET_KEY": "b" * 48,
-            "LOG_LEVEL": "WARNING"})
+        env = stack_env(url, "redis://127.0.0.1:6379/15", console_variables())
         console = Console(env, work).start()
         cleanup.add("console", console.kill)
         base = console.url

@@ -31,7 +31,7 @@ from typing import Any
 import psycopg
 
 from devkit.benchmarks.console_list import busy_share, cpu_times
-from devkit.benchmarks.stack import migrated_database, partition_months
+from devkit.benchmarks.stack import migrated_database, partition, partition_months
 from devkit.procs import Cleanup
 
 TARGET_ARCHIVE_EPS = 20_000
@@ -98,6 +98,11 @@ def fill(url: str, total: int) -> None:
             conn.execute(f"VACUUM (ANALYZE) ledger.{table}")
 
 
+def quantile(values: list[float], share: float) -> float:
+    """The value ``share`` of the way up ``values`` (0 for none)."""
+    return sorted(values)[min(len(values) - 1, int(share * len(values)))] if values else 0.0
+
+
 class Writers:
     """New events recorded at a fixed rate by the receiver's statement, each one's latency kept by phase."""
 
@@ -148,9 +153,8 @@ class Writers:
         self._pool.close()
 
     def summary(self) -> str:
-        def q(values: list[float], share: float) -> float:
-            return sorted(values)[min(len(values) - 1, int(share * len(values)))] if values else 0.0
-        return "; ".join(f"{phase} ({len(v)}): p50 {q(v, 0.5):.1f} ms, p99 {q(v, 0.99):.1f} ms, max {max(v or [0]):.1f} ms"
+        return "; ".join(f"{phase} ({len(v)}): p50 {quantile(v, 0.5):.1f} ms, p99 {quantile(v, 0.99):.1f} ms, "
+                         f"max {max(v or [0]):.1f} ms"
                          for phase, v in self.latencies.items()) + f"; errors {self.errors}"
 
 
@@ -203,7 +207,8 @@ def main() -> int:
         # compressing, writing and reading back; and the writers' client side, if any).
         pg_cpu0, own_cpu0 = servers[0].cpu_s(), sum(os.times()[:2])
         report = runner.run()
-        pg_cpu, own_cpu = servers[0].cpu_s() - pg_cpu0, sum(os.times()[:2]) - own_cpu0
+        pg_us = 1e6 * (servers[0].cpu_s() - pg_cpu0) / max(report.archived, 1)
+        runner_us = 1e6 * (sum(os.times()[:2]) - own_cpu0) / max(report.archived, 1)
         busy = busy_share(cpu_before, cpu_times())
         if writers is not None:
             writers.stop()
@@ -225,12 +230,12 @@ retention run {report.status} on {args.events:,} events ({'S3, moto server' if a
 {report.kept_in_month:,}); longest swap transaction {report.longest_drop_s * 1000:.0f} ms; \
 months that stayed (tables locked) {report.months_deferred}
   whole run {report.seconds:.1f} s; machine busy {busy:.0%}; events left {left:,}
-  CPU per archived event: Postgres {1e6 * pg_cpu / max(report.archived, 1):.1f} µs, the runner's process {1e6 * own_cpu / max(report.archived, 1):.1f} µs (whole run, removal included)
+  CPU per archived event: Postgres {pg_us:.1f} µs, the runner's process {runner_us:.1f} µs (whole run, removal included)
 SUMMARY retention events={args.events} archived={report.archived} archive_eps={archive_eps:.0f} \
 read_s={report.read_s:.2f} store_s={report.store_s:.2f} remove_s={report.remove_s:.2f} \
 longest_removal_ms={report.longest_removal_s * 1000:.0f} partitions_dropped={report.partitions_dropped} \
 longest_drop_ms={report.longest_drop_s * 1000:.0f} months_deferred={report.months_deferred} bytes={archive_bytes} busy={busy:.2f} \
-pg_cpu_us_per_event={1e6 * pg_cpu / max(report.archived, 1):.1f} runner_cpu_us_per_event={1e6 * own_cpu / max(report.archived, 1):.1f}""", flush=True)
+pg_cpu_us_per_event={pg_us:.1f} runner_cpu_us_per_event={runner_us:.1f}""", flush=True)
         return 0 if report.status == "done" else 1
     finally:
         cleanup.run()
@@ -316,40 +321,18 @@ class PacedClient:
             t.join()
 
     def summary(self, phase: str) -> dict[str, float]:
-        values = sorted(self.latencies.get(phase, []))
-
-        def q(share: float) -> float:
-            return values[min(len(values) - 1, int(share * len(values)))] if values else 0.0
-        return {"acks": len(values), "p50_ms": q(0.5), "p99_ms": q(0.99), "max_ms": values[-1] if values else 0.0,
-                "errors": self.errors.get(phase, 0)}
-
-
-def _partition(b) -> None:
-    """The bench's ledger partitioned by month, as ``ledgerctl partitions migrate`` does it (empty: at once)."""
-    from ledger.config import Settings
-    from ledger.db import ProcessPool
-    from ledger.partition_migration import PartitionMigration
-
-    if b.db.one("SELECT ledger.is_partitioned()"):
-        return
-    pool = ProcessPool(Settings(database_url=b.db.url), name="bench-partitions")
-    try:
-        PartitionMigration(pool).run()
-    finally:
-        pool.close()
+        values = self.latencies.get(phase, [])
+        return {"acks": len(values), "p50_ms": quantile(values, 0.5), "p99_ms": quantile(values, 0.99),
+                "max_ms": max(values or [0.0]), "errors": self.errors.get(phase, 0)}
 
 
 def _console_pages(b, log) -> dict[str, Any]:
     """The console's pages (console_list's) on the ledger as it is, ``CONSOLE_REQUESTS`` times each."""
-    from ops.console.auth import hash_password
-
     from devkit.stack import Console
 
-    from .console_list import PAGES, PASSWORD, measure, p, session
+    from .console_list import PAGES, console_variables, measure, p, session
 
-    env = {**b.env, "LEDGER_CONSOLE_USERS": f"bench:{hash_password(PASSWORD)}",
-           "LEDGER_CONSOLE_SECRET_KEY": "b" * 48, "LOG_LEVEL": "WARNING"}
-    console = Console(env, b.work).start()
+    console = Console({**b.env, **console_variables()}, b.work).start()
     try:
         client = session(console.url)
         pages = {name: path for name, path in PAGES.items() if path is not None and "evt_" not in path}
@@ -421,20 +404,20 @@ def scenario(b) -> dict[str, Any]:
     from ledger.migrate import migrate
 
     from . import revisions
-    from .scenarios import drain, ingest, log, prefill_history
+    from .scenarios import drain, history_label, ingest, log, prefill_history
 
     total = 100_000 if b.opts.quick else SCENARIO_EVENTS
-    label = f"{total // 1_000_000}M" if total % 1_000_000 == 0 else f"{total // 1000}k"
+    label = history_label(total)
     sides = {"empty": b.side, label: b._side(revisions.current(), "ledger_bench_history", migrate)}
     for name, side in sides.items():
         with b.using(side):
-            _partition(b)
+            if not b.db.one("SELECT ledger.is_partitioned()"):
+                partition(b.db.url)
             b.label = "empty"
             b.clear()
     with b.using(sides[label]):
-        b.db.q("SELECT ledger.partition_create(m::date) FROM generate_series(date_trunc('month', now() - "
-               "make_interval(days => %(days)s + 1)), date_trunc('month', now()), interval '1 month') m",
-               {"days": DAYS})
+        with psycopg.connect(b.db.url, autocommit=True) as conn:
+            partition_months(conn, DAYS)
         history = prefill_history(b, total, days=DAYS, step_s=DAYS * 86400 / total)
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
     try:

@@ -1372,6 +1372,11 @@ def sweep(b: Bench) -> dict[str, Any]:
     return out
 
 
+def history_label(events: int) -> str:
+    """How results name a ledger with a history of ``events``: 1M, 3M, 50k."""
+    return f"{events // 1_000_000}M" if events % 1_000_000 == 0 else f"{events // 1000}k"
+
+
 def prefill_history(b: Bench, total: int | None = None, *, days: float = 400.0,
                     step_s: float = 30.0) -> dict[str, Any]:
     """The history (``total`` events, by default --history-events, received ``days`` ago plus
@@ -1445,7 +1450,7 @@ def scale(b: Bench) -> dict[str, Any]:
     empty["sweep"] = sweep(b)
     history = prefill_history(b)
     n = b.opts.history_events
-    b.label = f"{n // 1_000_000}M" if n % 1_000_000 == 0 else f"{n // 1000}k"
+    b.label = history_label(n)
     try:
         full_ingest = ingest(b)
         full_drain = drain(b)

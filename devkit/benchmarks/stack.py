@@ -54,16 +54,21 @@ def migrated_database(cleanup, name: str, *, partitioned: bool = False, servers:
     url = pg.url_for(name)
     migrate(url)
     if partitioned:
-        from ledger.config import Settings
-        from ledger.db import ProcessPool
-        from ledger.partition_migration import PartitionMigration
-
-        pool = ProcessPool(Settings(database_url=url), name="bench-partitions")
-        try:
-            PartitionMigration(pool).run()
-        finally:
-            pool.close()
+        partition(url)
     return url
+
+
+def partition(url: str) -> None:
+    """The ledger at ``url`` partitioned by month, as ``ledgerctl partitions migrate`` does it."""
+    from ledger.config import Settings
+    from ledger.db import ProcessPool
+    from ledger.partition_migration import PartitionMigration
+
+    pool = ProcessPool(Settings(database_url=url), name="bench-partitions")
+    try:
+        PartitionMigration(pool).run()
+    finally:
+        pool.close()
 
 
 def partition_months(conn, days: float) -> None:
