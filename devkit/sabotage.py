@@ -268,6 +268,23 @@ SABOTAGES = (
         "(ledger.inputs.usable): the database driver refuses it, and the page answers 500",
         (("ledger/inputs.py", '    if "\\x00" in value:\n', "    if False:\n"),),
         ("tests/integration/test_console_hostile_input.py",)),
+    Sabotage(
+        "rebuild-sends-effects",
+        "a rebuild applies events in the workers' context (workers/reproject.py builds an ApplyContext with the "
+        "effects senders are configured for, not a RebuildContext): handlers record their effects again",
+        (("workers/reproject.py", "self.registry.apply(RebuildContext(conn=shadow,",
+          "self.registry.apply(ApplyContext(enabled_effects=frozenset({'invoice.payment_failed', "
+          "'entitlements.changed'}), conn=shadow,"),),
+        ("tests/integration/test_reproject.py", "tests/e2e/test_reproject_e2e.py")),
+    Sabotage(
+        "apply-loses-events-processed-meanwhile",
+        "an apply switches the rebuilt tables in without the events processed since the rebuild was built "
+        "(workers/reproject.py: no catch-up before the lock, none under it)",
+        (("workers/reproject.py",
+          "            self._catch_up_until_few(conn, run[\"id\"], \"built\", SHADOW, run[\"tables\"])\n", ""),
+         ("workers/reproject.py",
+          "                    self._catch_up(conn, run[\"id\"], run[\"state\"], shadow, locked=True)\n", "")),
+        ("tests/e2e/test_reproject_e2e.py",)),
 )
 
 

@@ -199,11 +199,15 @@ def _matches(event_type: str, pattern: str) -> bool:
 class HandlerRegistry:
     def __init__(self):
         self._entries: list[Registration] = []
+        # requirements() by event type: matching every pattern (fnmatch) cost a worker or a rebuild more per
+        # event than some of the handlers' statements. Emptied by every register().
+        self._by_type: dict[str, list[tuple[Handler, tuple[Requirement, ...]]]] = {}
 
     def register(self, pattern: str, fn: Handler, requires: Iterable[Requirement] = ()) -> Handler:
         """Add ``fn`` for ``pattern``. The same pair registered again keeps one entry, which gains the
         requirements it did not have."""
         needed = _requirements(requires)
+        self._by_type.clear()
         for index, entry in enumerate(self._entries):
             if entry.pattern == pattern and entry.handler == fn:
                 added = tuple(r for r in needed if r not in entry.requires)
@@ -225,9 +229,21 @@ class HandlerRegistry:
         """Every handler one of whose patterns matches, once each, in registration order."""
         return [fn for fn, _ in self.requirements(event_type)]
 
+    def apply(self, context: ApplyContext) -> None:
+        """Every handler of the context's event type, in order: what a worker's attempt and a rebuild
+        (workers/reproject.py) both run, once ``check_required`` has passed."""
+        for handle in self.resolve(context.event_type):
+            handle(context)
+
     def requirements(self, event_type: str) -> list[tuple[Handler, tuple[Requirement, ...]]]:
         """The handlers ``resolve`` returns, each with what it requires of an event of this type
         (the requirements of every pattern through which it matches)."""
+        found = self._by_type.get(event_type)
+        if found is None:
+            found = self._by_type[event_type] = self._match(event_type)
+        return list(found)
+
+    def _match(self, event_type: str) -> list[tuple[Handler, tuple[Requirement, ...]]]:
         order: list[tuple[Handler, list[Requirement]]] = []
         for pattern, fn, requires in self._entries:
             if not _matches(event_type, pattern):

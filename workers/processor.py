@@ -351,8 +351,7 @@ class EventProcessor(LeasedWork):
                                created=claim.created, livemode=claim.livemode, account=claim.account,
                                event=event.event, attempt=claim.attempt, enabled_effects=self.enabled_effects,
                                ledger_event_id=claim.event_id)
-        for handle in self.registry.resolve(event.type):
-            handle(context)
+        self.registry.apply(context)
         return context
 
     def _after_commit(self, context: ApplyContext) -> None:

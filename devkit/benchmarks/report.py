@@ -803,6 +803,11 @@ def summary(name: str, result: dict[str, Any]) -> tuple[str, str]:
 
         text, values = retention_summary(result)
         return text, kv("retention", values)
+    if name == "reproject":
+        from .reproject import summary as reproject_summary
+
+        text, values = reproject_summary(result)
+        return text, kv("reproject", values)
     if name == "profile":
         parts = []
         for who in ("receiver", "worker"):

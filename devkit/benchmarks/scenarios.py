@@ -38,6 +38,7 @@ from .loadgen import Wrk
 from .payloads import SignedDelivery
 from .pg import BenchDatabase, run_pgbench, url_parts
 from .rescue import rescue
+from .reproject import scenario as reproject_scenario
 from .retention import scenario as retention_scenario
 from .revisions import Revision
 from .stack import MachineCpu, ProcessWatch, Stack, WorkerFleet, bench_postgres, wire_segments
@@ -1687,6 +1688,7 @@ SCENARIOS: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "ingest": ingest, "drain": drain, "burst": burst, "replay": replay, "scale": scale, "cost": cost,
     "profile": profile, "steady": steady, "receiver-cost": receiver_cost, "rescue": rescue,
     "retention": retention_scenario,
+    "reproject": reproject_scenario,
 }
 ALL = ("ingest", "drain", "burst", "replay", "scale", "cost", "receiver-cost", "steady")
 # Scenarios that take turns between the revisions of --compare themselves (per level);

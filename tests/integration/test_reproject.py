@@ -1,0 +1,180 @@
+"""ledgerctl reproject in-process, on real Postgres: a planted handler bug found by the diff, fixed by
+apply and undone; what a rebuild never changes; events it cannot rebuild; refusals. With real worker
+processes and live traffic: tests/e2e/test_reproject_e2e.py."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+
+import psycopg
+import pytest
+
+from devkit.factories import event
+from devkit.procs import REPO, venv_tool, wait_until
+from tests.support import reprojection as rp
+from tests.support.workers import LedgerKit, env_for, run_ledgerctl
+
+
+# What the built-in handlers emit when a sender is configured for it: these lifecycles emit both.
+EFFECTS = frozenset({"invoice.payment_failed", "entitlements.changed"})
+
+
+def process_all(kit: LedgerKit, events: list[dict]) -> None:
+    processor = kit.processor(waker=None)  # the effects' wake-ups are not sent: their rows are what count here
+    processor.enabled_effects = EFFECTS
+    for evt_id in kit.record_many(events):
+        assert processor.process(evt_id).value == "processed", kit.event(evt_id)
+
+
+reference = pytest.fixture(rp.reference_ledger)
+
+
+def diff_keys(report: dict) -> set[tuple[str, tuple]]:
+    keys = set()
+    for table in report["tables"]:
+        assert len(table["rows"]) == table["only_live"] + table["only_rebuilt"] + table["changed"]
+        keys |= {(table["table"], tuple(row["key"][k] for k in rp.KEYS[table["table"]])) for row in table["rows"]}
+    return keys
+
+
+def test_a_planted_handler_bug_is_listed_by_the_diff_fixed_by_apply_and_restored_by_undo(
+        kit, reference, ledgerctl_cli, monkeypatch):
+    events = rp.lifecycles(12)
+    rp.plant_bug(monkeypatch)
+    process_all(kit, events)
+    monkeypatch.undo()  # the handler is fixed
+    process_all(reference, events)
+    buggy, fixed = rp.tables(kit.query), rp.tables(reference.query)
+    affected = rp.differing(buggy, fixed)
+    # The bug shows in subscriptions (status, cancel_at_period_end), their transitions and entitlements.
+    assert {table for table, _ in affected} == {"subscriptions", "subscription_transitions", "entitlements"}
+    ledger_before = rp.ledger_state(kit.query)
+    assert kit.query("SELECT count(*) AS n FROM ledger.outbox")[0]["n"] > 0, "the history produced effects"
+
+    started = ledgerctl_cli("reproject", "start")
+    assert started.stdout.startswith("rebuild ") and " built: " in started.stdout
+    assert rp.tables(kit.query) == buggy, "a rebuild never writes a live table"
+    report = json.loads(ledgerctl_cli("reproject", "diff", "--limit", "100000", "--json").stdout)
+    assert diff_keys(report) == affected
+    changed = {(t["table"], tuple(r["key"][k] for k in rp.KEYS[t["table"]])): r for t in report["tables"]
+               for r in t["rows"]}
+    past_due = next(r for (table, _), r in changed.items()
+                    if table == "subscriptions" and r["columns"].get("status") == ["active", "past_due"])
+    assert past_due["kind"] == "changed"
+
+    ledgerctl_cli("reproject", "apply", "--yes")
+    assert rp.tables(kit.query) == fixed
+    assert rp.differing(buggy, rp.tables(kit.query)) == diff_keys(report), "apply changed exactly the diff's rows"
+    assert rp.ledger_state(kit.query) == ledger_before, "events, attempts and the outbox are never changed"
+    status = json.loads(ledgerctl_cli("reproject", "status", "--json").stdout)
+    assert status["run"]["state"] == "applied" and status["run"]["lock_ms"] > 0
+    apply_audit = [a for a in status["audit"] if a["action"] == "apply"]
+    assert len(apply_audit) == 1 and apply_audit[0]["actor"] and apply_audit[0]["scope"] == {"all": True}
+    assert apply_audit[0]["counts"]["tables"]["subscriptions"]["changed"] == sum(
+        1 for table, _ in affected if table == "subscriptions")
+
+    ledgerctl_cli("reproject", "undo", "--yes")
+    assert rp.tables(kit.query) == buggy
+    assert json.loads(ledgerctl_cli("reproject", "status", "--json").stdout)["run"]["state"] == "undone"
+    ledgerctl_cli("reproject", "undo", "--yes", code=1)
+
+
+def test_events_it_cannot_rebuild_are_listed_and_strict_refuses_to_apply(kit, ledgerctl_cli):
+    events = rp.lifecycles(3)
+    process_all(kit, events)
+    subscription_event = next(e for e in events if e["type"] == "customer.subscription.updated")
+    pruned = next(e for e in events if e["type"] == "invoice.paid")
+    # The payload of a processed event changed under the handlers (a newer shape they refuse), and one pruned.
+    kit.execute("UPDATE ledger.events SET payload = (payload::jsonb #- '{data,object,status}')::json WHERE id = %s",
+                (subscription_event["id"],))
+    kit.execute("UPDATE ledger.events SET payload = NULL WHERE id = %s", (pruned["id"],))
+
+    ledgerctl_cli("reproject", "start")
+    status = json.loads(ledgerctl_cli("reproject", "status", "--json").stdout)
+    assert status["run"]["state"] == "built" and status["run"]["done"] == len(events)
+    assert {(s["event_id"], s["reason"]) for s in status["not_rebuilt_events"]} == {
+        (subscription_event["id"], "unmappable_payload"), (pruned["id"], "payload_pruned")}
+    listed = json.loads(ledgerctl_cli("reproject", "diff", "--json").stdout)["not_rebuilt"]
+    assert {s["event_id"] for s in listed} == {subscription_event["id"], pruned["id"]}
+    refused = ledgerctl_cli("reproject", "apply", "--yes", "--strict", code=1)
+    assert "--strict: 2 event(s) could not be rebuilt" in refused.stderr
+    assert json.loads(ledgerctl_cli("reproject", "status", "--json").stdout)["run"]["state"] == "built"
+    ledgerctl_cli("reproject", "apply", "--yes")
+
+
+def test_handlers_of_other_modules_are_not_run_and_are_listed(kit, ledgerctl_cli):
+    process_all(kit, rp.lifecycles(1) + [event("test.effect", {"id": "obj_1"}, created=1_700_000_000)])
+    effects = kit.effects()
+    ledgerctl_cli("reproject", "start")
+    assert kit.effects() == effects
+    status = json.loads(ledgerctl_cli("reproject", "status", "--json").stdout)
+    assert any(h["pattern"] == "test.effect" and h["module"] == "tests.support.handlers_for_tests"
+               for h in status["handlers_not_rebuilt"])
+    assert not any(h["module"] == "workers.billing.handlers" for h in status["handlers_not_rebuilt"])
+
+
+def test_what_cannot_be_done_is_refused_with_a_clear_error_and_changes_nothing(kit, ledgerctl_cli):
+    assert "no processed event" in ledgerctl_cli("reproject", "start", code=1).stderr
+    assert "nothing to apply" in ledgerctl_cli("reproject", "apply", "--yes", code=1).stderr
+    assert "nothing to undo" in ledgerctl_cli("reproject", "undo", "--yes", code=1).stderr
+    assert "nothing to diff" in ledgerctl_cli("reproject", "diff", code=1).stderr
+    process_all(kit, rp.lifecycles(1))
+    live = rp.tables(kit.query)
+    ledgerctl_cli("reproject", "start")
+    again = ledgerctl_cli("reproject", "start", code=1)
+    assert "is built: nothing was started" in again.stderr
+    assert "unknown table" in ledgerctl_cli("reproject", "diff", "--table", "nope", code=2).stderr
+    with psycopg.connect(kit.settings.database_url, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(hashtextextended('ledger.reprojection', 0))")
+        busy = ledgerctl_cli("reproject", "apply", "--yes", code=4)
+        assert "another process is working on a rebuild" in busy.stderr
+    assert json.loads(ledgerctl_cli("reproject", "status", "--json").stdout)["run"]["state"] == "built"
+    ledgerctl_cli("reproject", "cancel")
+    assert kit.query("SELECT to_regnamespace('billing_rebuild') AS s")[0]["s"] is None
+    assert rp.tables(kit.query) == live
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_a_rebuild_killed_mid_way_resumes_to_the_same_tables_as_one_never_killed(kit, broker_settings, parts):
+    rp.insert_processed(kit, rp.lifecycles(1500))
+    total = kit.query("SELECT count(*) AS n FROM ledger.events")[0]["n"]
+    env = env_for(broker_settings)
+    started = subprocess.Popen([venv_tool("ledgerctl"), "reproject", "start", "--parts", str(parts)], env=env,
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: 0 < done(kit) < total - 2000 or started.poll() is not None, timeout_s=60,
+                   interval_s=0.01, what="the rebuild to be mid-way")
+        assert started.poll() is None, "the rebuild ended before it could be killed mid-way"
+        started.send_signal(signal.SIGKILL)
+    finally:
+        started.wait()
+    # Its parts stop at their next slice once their parent is gone; then the lock is free. (What it had
+    # sent before it died, the server may still commit meanwhile.)
+    wait_until(lambda: not kit.query("SELECT 1 FROM pg_stat_activity WHERE application_name = 'ledger-reproject'"),
+               what="the killed rebuild's sessions to end")
+    killed_at = done(kit)
+    assert 0 < killed_at < total
+    shown = run_ledgerctl(broker_settings, "reproject", "status", "--json")
+    assert shown.returncode == 0, shown.stderr
+    status = json.loads(shown.stdout)
+    assert status["run"]["state"] == "building" and status["run"]["done"] == killed_at
+    refused = run_ledgerctl(broker_settings, "reproject", "start")
+    assert refused.returncode == 1 and "`ledgerctl reproject resume` finishes it" in refused.stderr
+    resumed = run_ledgerctl(broker_settings, "reproject", "resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"built: {total:,}/{total:,} events" in resumed.stdout
+    after_crash = rp.tables(kit.query, "billing_rebuild")
+
+    assert run_ledgerctl(broker_settings, "reproject", "cancel").returncode == 0
+    again = run_ledgerctl(broker_settings, "reproject", "start")
+    assert again.returncode == 0, again.stderr
+    never_killed = rp.tables(kit.query, "billing_rebuild")
+    assert sum(len(rows) for rows in never_killed.values()) > total
+    assert after_crash == never_killed
+
+
+def done(kit) -> int:
+    rows = kit.query("SELECT coalesce(sum(done), 0)::bigint AS n FROM ledger.reprojection_parts p "
+                     "JOIN ledger.reprojections r ON r.id = p.reprojection_id WHERE r.state = 'building'")
+    return rows[0]["n"]

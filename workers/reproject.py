@@ -1,0 +1,413 @@
+"""Re-projection: billing rebuilt from the ledger's stored payloads by the workers' own handlers, into a
+shadow copy of its tables, compared with the live ones, switched in under a short lock, and undone.
+
+What a rebuild runs: the handlers of the built-in billing module (``PROJECTED_MODULES``), taken from the
+registry the workers load, with the same ``check_required`` and ``HandlerRegistry.apply``. Their
+statements name ``billing.<table>``; the rebuild's connection (``ShadowConnection``) sends each to
+``billing_rebuild.<table>`` instead, and nothing else: a handler of another module (a user's, which
+may write tables of its own, or the health handler, which writes the ledger) is not run, and status
+lists it. Its context (``RebuildContext``) records no effect and keeps no after-commit function; no
+call goes to Stripe (a thin notification, whose object the worker fetched and the ledger does not keep,
+is listed instead), and ledger.events is only read.
+
+The order: the main pass applies every processed event in Stripe's order, (created, id). Rows keyed
+by a Stripe id come out the same in any order (the upserts' order guard); the order makes the history
+(billing.subscription_transitions' from_status) the one Stripe's events tell. Then catch-ups apply
+the events processed since the rebuild started (ledger/sql/reprojection.sql, reprojection_catchup_cut)
+until few are left; an apply takes the live tables' locks, applies the last ones and switches.
+Re-applying an event is a no-op, so an event a catch-up meets twice changes nothing the second time.
+
+A slice of events is one transaction, pipelined, with the main pass's progress in it: a rebuild killed
+at any point goes on from its last committed slice (``build`` again). A slice in which an event fails
+is applied again one savepoint per event: that event is recorded as skipped (its reason), the others
+are applied, and the rebuild goes on.
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import psycopg
+
+from ledger import stripe_events
+from ledger.reprojection import BEFORE, SHADOW, ReprojectionError, ReprojectionLedger, StoredEvent, TableDiff
+from workers.failures import classify
+from workers.handlers import ApplyContext, HandlerRegistry, Registration
+
+# The modules whose handlers write only billing's tables: the ones a rebuild runs.
+PROJECTED_MODULES = ("workers.billing.handlers",)
+SLICE = 500
+# The main pass's processes. On a 2-core machine one: two parts ran no faster (both cores were busy, each
+# event cost a third more CPU; docs/reprojection.md, "How fast").
+PARTS = 1
+# A build, or an apply before it takes the lock, catches up until one pass found this few events.
+CATCHUP_FEW = 200
+SWITCH_TRIES = 20
+
+Progress = Callable[[str, int, int], None]
+
+
+def _module(fn: Any) -> str:
+    return getattr(fn, "__module__", None) or type(fn).__module__
+
+
+def projected(registry: HandlerRegistry) -> tuple[HandlerRegistry, list[Registration]]:
+    """The registrations a rebuild runs (``PROJECTED_MODULES``'), in the workers' order, and the others."""
+    kept, skipped = HandlerRegistry(), []
+    for entry in registry.entries():
+        if _module(entry.handler) in PROJECTED_MODULES:
+            kept.register(entry.pattern, entry.handler, entry.requires)
+        else:
+            skipped.append(entry)
+    return kept, skipped
+
+
+@dataclass(frozen=True)
+class RebuildContext(ApplyContext):
+    """A handler's context in a rebuild: an effect is never recorded, an after-commit function never kept."""
+
+    def emit(self, effect: str, payload: dict[str, Any], *, key: str | None = None,
+             ordering_key: str | None = None, if_configured: bool = False) -> int | None:
+        return None
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        return None
+
+
+class ShadowConnection:
+    """The rebuild's connection as its handlers see it: each statement's ``billing.<table>`` of the
+    rebuilt tables sent to ``<schema>.<table>`` (the entitlements' advisory lock key, 'billing.entitlements:',
+    with it: a rebuild never waits on a worker's lock, nor a worker on a rebuild's).
+
+    Every statement runs on one cursor, whose result is the latest statement's: a new cursor per statement
+    (``Connection.execute``) cost half the client's time per statement, its type adapters looked up anew
+    each time. The built-in handlers, the only ones a rebuild runs, read each result before their next
+    statement. Only ``execute`` and ``transaction`` are offered: a cursor of the handler's own would bypass
+    the rewrite."""
+
+    def __init__(self, conn: psycopg.Connection, schema: str, tables: Iterable[str]):
+        self._conn = conn
+        self._cursor = conn.cursor()
+        names = sorted(tables, key=len, reverse=True)
+        self._pattern = re.compile(r"\bbilling\.(" + "|".join(map(re.escape, names)) + r")\b")
+        self._schema = schema
+        self._rewritten: dict[str, str] = {}
+
+    def _rewrite(self, query: str) -> str:
+        rewritten = self._rewritten.get(query)
+        if rewritten is None:
+            rewritten = self._rewritten[query] = self._pattern.sub(f"{self._schema}.\\1", query)
+        return rewritten
+
+    def execute(self, query: str, params: Any = None, **kwargs: Any) -> psycopg.Cursor:
+        return self._cursor.execute(self._rewrite(query), params, **kwargs)
+
+    def transaction(self, *args: Any, **kwargs: Any):
+        return self._conn.transaction(*args, **kwargs)
+
+
+class _Cancelled(Exception):
+    """The run stopped building (cancelled) while a slice applied: the slice was rolled back."""
+
+
+class Reprojection:
+    def __init__(self, ledger: ReprojectionLedger, registry: HandlerRegistry, *, slice_size: int = SLICE,
+                 parts: int = PARTS, progress: Progress | None = None):
+        self.ledger = ledger
+        self.parts = parts
+        self.registry, self.not_projected = projected(registry)
+        self.slice_size = slice_size
+        self.progress = progress or (lambda phase, done, total: None)
+
+    # Commands.
+
+    def start(self, *, actor: str, scope: dict | None = None) -> dict:
+        """A new rebuild, built to the end (``build``). Refused while another is building or built; a
+        previous apply's undo is discarded (the tables before it dropped)."""
+        scope = scope or {"all": True}
+        with self.ledger.runner_lock():
+            run = self.ledger.open_run()
+            if run is not None and run["state"] != "applied":
+                raise ReprojectionError(
+                    f"rebuild {run['id']} is {run['state']}: nothing was started. "
+                    + ("`ledgerctl reproject resume` finishes it, or `ledgerctl reproject cancel` drops it"
+                       if run["state"] == "building" else
+                       "`ledgerctl reproject apply` switches it in, or `ledgerctl reproject cancel` drops it"))
+            if run is not None:
+                self.ledger.discard(run["id"], actor, run["scope"])
+            with self.ledger.connection() as conn:
+                self.ledger.drop_schema(conn, BEFORE)  # an undo kept by a rebuild whose run row is gone
+                run = self.ledger.create(conn, actor=actor, scope=scope, parts=self.parts)
+                if run["total"] == 0:
+                    self.ledger.cancel(run["id"], actor, scope)
+                    self.ledger.drop_schema(conn, SHADOW)
+                    raise ReprojectionError("no processed event in the ledger to rebuild from: nothing was started")
+            return self._build(run["id"])
+
+    def resume(self) -> dict:
+        """Go on with a rebuild that stopped while building (its process killed), from its last slice."""
+        with self.ledger.runner_lock():
+            run = self.ledger.open_run()
+            if run is None or run["state"] != "building":
+                raise ReprojectionError("no rebuild is building: nothing to resume")
+            return self._build(run["id"])
+
+    def cancel(self, *, actor: str) -> dict:
+        """Drop a rebuild that is building or built. A process building it stops at its next slice."""
+        run = self.ledger.open_run()
+        if run is None or run["state"] not in ("building", "built"):
+            raise ReprojectionError("no rebuild is building or built: nothing to cancel")
+        self.ledger.cancel(run["id"], actor, run["scope"])
+        with contextlib.suppress(ReprojectionError), self.ledger.runner_lock(), self.ledger.connection() as conn:
+            self.ledger.drop_schema(conn, SHADOW)
+        return self.ledger.get(run["id"])
+
+    def discard(self, *, actor: str) -> dict:
+        run = self.ledger.open_run()
+        if run is None or run["state"] != "applied":
+            raise ReprojectionError("no applied rebuild: nothing to discard")
+        with self.ledger.runner_lock():
+            self.ledger.discard(run["id"], actor, run["scope"])
+        return self.ledger.get(run["id"])
+
+    def diff(self, *, limit: int, tables: list[str] | None = None) -> tuple[dict, list[TableDiff]]:
+        run = self._run_in("built", doing="diff")
+        unknown = sorted(set(tables or ()) - set(run["tables"]))
+        if unknown:
+            raise ReprojectionError(f"unknown table {', '.join(unknown)}: the rebuilt tables are "
+                                    f"{', '.join(run['tables'])}")
+        return run, self.ledger.diff(tables or run["tables"], limit=limit)
+
+    def apply(self, *, actor: str, strict: bool = False) -> dict:
+        """Switch a built rebuild in: catch up, take the live tables' locks, apply the last events, switch,
+        in one transaction. The tables it replaces are kept for ``undo``. Refused with ``strict`` while any
+        event is listed as not rebuilt."""
+        run = self._run_in("built", doing="apply")
+        skipped = self.ledger.skip_counts(run["id"])
+        if strict and skipped:
+            raise ReprojectionError(f"--strict: {sum(skipped.values())} event(s) could not be rebuilt "
+                                    f"({_reasons(skipped)}): nothing was applied")
+        with self.ledger.runner_lock(), self.ledger.connection() as conn:
+            self._catch_up_until_few(conn, run["id"], "built", SHADOW, run["tables"])
+            counts = {d.table: d.counts() for d in self.ledger.diff(run["tables"], limit=0)}
+            lock_ms = self._switch(conn, run, incoming=SHADOW, aside=BEFORE, catch_up_into=SHADOW,
+                                   finish=lambda c: self._applied(c, run, actor, counts, skipped))
+            self.ledger.drop_schema(conn, SHADOW)
+        self.ledger.lock_held(run["id"], lock_ms)
+        return self.ledger.get(run["id"])
+
+    def undo(self, *, actor: str) -> dict:
+        """Switch the tables an apply replaced back in, with the events processed since the apply applied to
+        them first (by the handlers of now); the rebuilt tables are dropped."""
+        run = self._run_in("applied", doing="undo")
+        with self.ledger.runner_lock(), self.ledger.connection() as conn:
+            self._catch_up_until_few(conn, run["id"], "applied", BEFORE, run["tables"])
+            lock_ms = self._switch(conn, run, incoming=BEFORE, aside=SHADOW, catch_up_into=BEFORE,
+                                   finish=lambda c: self._undone(c, run, actor))
+            self.ledger.drop_schema(conn, SHADOW)
+            self.ledger.drop_schema(conn, BEFORE)
+        self.ledger.lock_held(run["id"], lock_ms)
+        return self.ledger.get(run["id"])
+
+    def _run_in(self, state: str, *, doing: str) -> dict:
+        run = self.ledger.open_run()
+        if run is None or run["state"] != state:
+            now = f"rebuild {run['id']} is {run['state']}" if run else "no rebuild is open"
+            raise ReprojectionError(f"nothing to {doing}: {now} (it must be {state}); nothing was changed")
+        return run
+
+    def _applied(self, conn: psycopg.Connection, run: dict, actor: str, counts: dict, skipped: dict) -> None:
+        if not self.ledger.applied(conn, run["id"], actor):
+            raise ReprojectionError(f"rebuild {run['id']} is no longer built: nothing was applied")
+        self.ledger.audit(conn, run["id"], "apply", actor, run["scope"], {"tables": counts, "skipped": skipped})
+
+    def _undone(self, conn: psycopg.Connection, run: dict, actor: str) -> None:
+        if not self.ledger.undone(conn, run["id"]):
+            raise ReprojectionError(f"rebuild {run['id']} is no longer applied: nothing was undone")
+        self.ledger.audit(conn, run["id"], "undo", actor, run["scope"], {})
+
+    # Building.
+
+    def _build(self, run_id: int) -> dict:
+        """The main pass, each part in a process of its own (forked: each opens its own session), then the
+        catch-ups, then built. A part's process that fails leaves the run building, for ``resume``."""
+        run = self.ledger.get(run_id)
+        parts = [p for p in self.ledger.parts(run_id) if p["done"] < p["total"]]
+        if len(parts) == 1:
+            self._build_part(run, parts[0])
+        elif parts:
+            self._build_parts_in_processes(run, parts)
+        with self.ledger.connection() as conn:
+            try:
+                self._catch_up_until_few(conn, run_id, "building", SHADOW, run["tables"])
+            except _Cancelled:
+                self.ledger.drop_schema(conn, SHADOW)
+                return self.ledger.get(run_id)
+            with conn.transaction():
+                if not self.ledger.built(conn, run_id):
+                    raise ReprojectionError(f"rebuild {run_id} stopped building (cancelled)")
+        return self.ledger.get(run_id)
+
+    def _build_parts_in_processes(self, run: dict, parts: list[dict]) -> None:
+        context = multiprocessing.get_context("fork")
+        processes = [context.Process(target=self._build_part_in_child, args=(run, part, os.getpid()),
+                                     name=f"reproject-part-{part['part']}") for part in parts]
+        for process in processes:
+            process.start()
+        try:
+            while any(process.is_alive() for process in processes):
+                time.sleep(0.5)
+                self.progress("build", self.ledger.get(run["id"])["done"], run["total"])
+        finally:
+            for process in processes:
+                process.join()
+        failed = [process.name for process in processes if process.exitcode != 0]
+        if failed:
+            raise ReprojectionError(f"{', '.join(failed)} stopped (exit codes "
+                                    f"{[p.exitcode for p in processes]}): the rebuild is still building; "
+                                    "`ledgerctl reproject resume` goes on from where each part got to")
+
+    def _build_part_in_child(self, run: dict, part: dict, parent: int) -> None:
+        self._build_part(run, part, parent=parent)
+
+    def _build_part(self, run: dict, part: dict, *, parent: int | None = None) -> None:
+        """One part of the main pass, slice by slice, from where it got to. In a child, it stops when its
+        parent is gone (a killed ``start`` leaves no part running for ``resume`` to race)."""
+        run_id, number, done, total = run["id"], part["part"], part["done"], part["total"]
+        with self.ledger.connection() as conn:
+            shadow = ShadowConnection(conn, SHADOW, run["tables"])
+            try:
+                while done < total:
+                    if parent is not None and os.getppid() != parent:
+                        return
+                    events = self.ledger.queued_events(conn, number, done, self.slice_size)
+                    reached = min(done + self.slice_size, total)
+                    self._apply_slice(conn, shadow, run_id, events,
+                                      finish=lambda c, n=reached: self.ledger.advance(c, run_id, number, n))
+                    done = reached
+                    if parent is None:
+                        self.progress("build", done, total)
+            except _Cancelled:
+                return
+
+    def _catch_up_until_few(self, conn: psycopg.Connection, run_id: int, state: str, schema: str,
+                            tables: list[str]) -> None:
+        while self._catch_up(conn, run_id, state, ShadowConnection(conn, schema, tables)) > CATCHUP_FEW:
+            pass
+
+    def _catch_up(self, conn: psycopg.Connection, run_id: int, state: str, shadow: ShadowConnection,
+                  *, locked: bool = False) -> int:
+        """One catch-up pass: every event processed since the run's ``caught_up_to``, applied; the next
+        pass's start recorded. ``locked``: inside the switch's transaction (its slices are savepoints)."""
+        since = self.ledger.get(run_id)["caught_up_to"]
+        cut = self.ledger.catchup_cut(conn)
+        applied, after = 0, None
+        while True:
+            events = self.ledger.processed_since(conn, since, after, self.slice_size)
+            if not events:
+                break
+            self._apply_slice(conn, shadow, run_id, events, finish=lambda c: True, fast=not locked)
+            applied += len(events)
+            after = (events[-1].created, events[-1].id)
+            self.progress("catch-up", applied, applied)
+        if not self.ledger.record_catchup(conn, run_id, state, cut, applied):
+            raise _Cancelled()
+        return applied
+
+    def _switch(self, conn: psycopg.Connection, run: dict, *, incoming: str, aside: str, catch_up_into: str,
+                finish: Callable[[psycopg.Connection], None]) -> float:
+        """One transaction: the live tables locked, the last events applied to ``catch_up_into``, ``incoming``'s
+        tables switched in (the live ones to ``aside``), ``finish``. Tried again while a lock is not had in
+        time (a reader or a worker in the way). How long the locks were held, in ms."""
+        shadow = ShadowConnection(conn, catch_up_into, run["tables"])
+        for attempt in range(SWITCH_TRIES):
+            try:
+                with conn.transaction():
+                    self.ledger.lock_tables(conn, run["tables"])
+                    locked_at = time.perf_counter()
+                    self._catch_up(conn, run["id"], run["state"], shadow, locked=True)
+                    self.ledger.switch(conn, incoming=incoming, aside=aside, tables=run["tables"])
+                    finish(conn)
+                return (time.perf_counter() - locked_at) * 1000
+            except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected):
+                time.sleep(min(0.05 * (attempt + 1), 0.5))
+        raise ReprojectionError(f"the live tables' locks were not had in {SWITCH_TRIES} tries: nothing was switched")
+
+    # Applying events.
+
+    def _apply_slice(self, conn: psycopg.Connection, shadow: ShadowConnection, run_id: int,
+                     events: list[StoredEvent], *, finish: Callable[[psycopg.Connection], bool],
+                     fast: bool = True) -> None:
+        """``events`` applied in one transaction (a savepoint when one is open), then ``finish`` in it (False:
+        the run was cancelled, and the slice rolled back). Pipelined, all at once; when an event fails, the
+        slice again with a savepoint per event, where the failing one is recorded as skipped."""
+        todo, unbuildable = [], []
+        for event in events:
+            reason = _unbuildable(event)
+            (unbuildable.append((event, *reason)) if reason else todo.append(event))
+        if fast:
+            try:
+                with conn.transaction(), conn.pipeline():
+                    for event in todo:
+                        self._apply_event(shadow, event)
+                    self._close_slice(conn, run_id, todo, unbuildable, finish)
+                return
+            except _Cancelled:
+                raise
+            except Exception:  # noqa: BLE001 - some event's: the slice again, one savepoint each, finds which
+                if conn.broken:
+                    raise
+                # A pipeline aborted part-way can leave psycopg's prepared statements unlike the server's.
+                conn.execute("DEALLOCATE ALL")
+        with conn.transaction():
+            applied = []
+            for event in todo:
+                try:
+                    with conn.transaction():
+                        self._apply_event(shadow, event)
+                    applied.append(event)
+                except Exception as exc:  # classified right here, where it is caught
+                    failure = classify(exc)
+                    if conn.broken:
+                        raise
+                    unbuildable.append((event, failure.reason, f"{failure.error_class}: {failure.message}"[:500]))
+            self._close_slice(conn, run_id, applied, unbuildable, finish)
+
+    def _close_slice(self, conn: psycopg.Connection, run_id: int, applied: list[StoredEvent],
+                     unbuildable: list[tuple[StoredEvent, str, str]], finish) -> None:
+        if applied:
+            self.ledger.unskip(conn, run_id, [event.id for event in applied])
+        for event, reason, detail in unbuildable:
+            self.ledger.skip(conn, run_id, event, reason, detail)
+        if not finish(conn):
+            raise _Cancelled()
+
+    def _apply_event(self, shadow: ShadowConnection, event: StoredEvent) -> None:
+        """What a worker's attempt runs for a snapshot event (EventProcessor._run_handlers), on the shadow."""
+        event_type = stripe_events.handler_type(event.type)
+        if not self.registry.resolve(event_type):
+            return  # no projected handler takes it: nothing of it is in billing
+        self.registry.check_required(event_type, event.payload, event.payload.get("api_version") or event.api_version)
+        self.registry.apply(RebuildContext(conn=shadow, event_id=event.id, event_type=event_type,
+                                           created=event.created, livemode=event.livemode, account=event.account,
+                                           event=event.payload, attempt=0, ledger_event_id=event.id))
+
+
+def _unbuildable(event: StoredEvent) -> tuple[str, str] | None:
+    """Why a processed event cannot be rebuilt from the ledger, if it cannot."""
+    if event.payload is None:
+        return ("payload_pruned", "ledgerctl prune removed its payload: `ledgerctl backfill` fetches the object's "
+                "current state from Stripe's API; its transitions cannot be recovered")
+    if stripe_events.is_thin(event.payload):
+        return ("thin_not_kept", "a thin notification: the worker applied the object it fetched from Stripe's API, "
+                "which the ledger does not keep")
+    return None
+
+
+def _reasons(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {reason}" for reason, n in sorted(counts.items()))
