@@ -160,6 +160,10 @@ class ReprojectionLedger:
         finally:
             conn.close()
 
+    def dependents(self) -> list[str]:
+        """Views and foreign keys outside billing that name its tables (a switch would leave them behind)."""
+        return run_statement(self._pool, SQL.reprojection_dependents)[0]["dependents"]
+
     def create(self, conn: psycopg.Connection, *, actor: str, scope: dict, parts: int) -> dict:
         """A new rebuild, building: the shadow made from the live tables, the main pass's events queued in
         ``parts`` parts, the first catch-up's start taken before the queue is read. Its ``start`` audited.

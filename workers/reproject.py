@@ -37,7 +37,7 @@ import psycopg
 from ledger import stripe_events
 from ledger.reprojection import BEFORE, SHADOW, ReprojectionError, ReprojectionLedger, StoredEvent, TableDiff
 from workers.failures import classify
-from workers.handlers import ApplyContext, HandlerRegistry, Registration
+from workers.handlers import ApplyContext, HandlerRegistry, Registration, handler_name
 
 # The modules whose handlers write only billing's tables: the ones a rebuild runs.
 PROJECTED_MODULES = ("workers.billing.handlers",)
@@ -48,6 +48,8 @@ PARTS = 1
 # A build, or an apply before it takes the lock, catches up until one pass found this few events.
 CATCHUP_FEW = 200
 SWITCH_TRIES = 20
+# ledger.reprojection_switch (migration 0015): views or foreign keys outside billing name its tables.
+DEPENDENTS_SQLSTATE = "LR001"
 
 Progress = Callable[[str, int, int], None]
 
@@ -124,6 +126,11 @@ class Reprojection:
         self.slice_size = slice_size
         self.progress = progress or (lambda phase, done, total: None)
 
+    def handlers_not_run(self) -> list[dict[str, str]]:
+        """The registrations a rebuild skips (their pattern, handler, module), as status lists them."""
+        return [{"pattern": entry.pattern, "handler": handler_name(entry.handler), "module": _module(entry.handler)}
+                for entry in self.not_projected]
+
     # Commands.
 
     def start(self, *, actor: str, scope: dict | None = None) -> dict:
@@ -138,6 +145,11 @@ class Reprojection:
                     + ("`ledgerctl reproject resume` finishes it, or `ledgerctl reproject cancel` drops it"
                        if run["state"] == "building" else
                        "`ledgerctl reproject apply` switches it in, or `ledgerctl reproject cancel` drops it"))
+            dependents = self.ledger.dependents()
+            if dependents:
+                raise ReprojectionError(f"{', '.join(dependents)} name(s) billing tables from outside schema billing: "
+                                        "an apply would leave them on the tables it sets aside (drop or recreate "
+                                        "them around the rebuild): nothing was started")
             if run is not None:
                 self.ledger.discard(run["id"], actor, run["scope"])
             with self.ledger.connection() as conn:
@@ -193,8 +205,10 @@ class Reprojection:
             raise ReprojectionError(f"--strict: {sum(skipped.values())} event(s) could not be rebuilt "
                                     f"({_reasons(skipped)}): nothing was applied")
         with self.ledger.runner_lock(), self.ledger.connection() as conn:
-            self._catch_up_until_few(conn, run["id"], "built", SHADOW, run["tables"])
+            # The counts first: comparing whole tables takes a while, and the events processed meanwhile are
+            # caught up before the lock, not under it.
             counts = {d.table: d.counts() for d in self.ledger.diff(run["tables"], limit=0)}
+            self._catch_up_until_few(conn, run["id"], "built", SHADOW, run["tables"])
             lock_ms = self._switch(conn, run, incoming=SHADOW, aside=BEFORE, catch_up_into=SHADOW,
                                    finish=lambda c: self._applied(c, run, actor, counts, skipped))
             self.ledger.drop_schema(conn, SHADOW)
@@ -336,6 +350,10 @@ class Reprojection:
                 return (time.perf_counter() - locked_at) * 1000
             except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected):
                 time.sleep(min(0.05 * (attempt + 1), 0.5))
+            except psycopg.Error as exc:
+                if exc.sqlstate == DEPENDENTS_SQLSTATE:  # ledger.reprojection_switch's refusal
+                    raise ReprojectionError(exc.diag.message_primary) from None
+                raise
         raise ReprojectionError(f"the live tables' locks were not had in {SWITCH_TRIES} tries: nothing was switched")
 
     # Applying events.

@@ -128,6 +128,28 @@ BEGIN
 END
 $$;
 
+-- What outside schema billing names a billing table by its identity, not its name: a view, a
+-- foreign key. The switch would leave it on the table set aside, and dropping that table would
+-- drop it, so a rebuild refuses to start or switch while there is any.
+CREATE OR REPLACE FUNCTION ledger.reprojection_dependents() RETURNS text[]
+LANGUAGE sql STABLE AS $$
+    WITH billing_tables AS (
+        SELECT c.oid FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+         WHERE n.nspname = 'billing' AND c.relkind = 'r'
+    )
+    SELECT coalesce(array_agg(DISTINCT d ORDER BY d), '{}') FROM (
+        SELECT format('view %s', r.ev_class::regclass) AS d
+          FROM pg_depend dep JOIN pg_rewrite r ON r.oid = dep.objid
+         WHERE dep.classid = 'pg_rewrite'::regclass AND dep.refobjid IN (SELECT oid FROM billing_tables)
+           AND r.ev_class NOT IN (SELECT oid FROM billing_tables)
+        UNION ALL
+        SELECT format('foreign key %s on %s', k.conname, k.conrelid::regclass)
+          FROM pg_constraint k
+         WHERE k.contype = 'f' AND k.confrelid IN (SELECT oid FROM billing_tables)
+           AND k.conrelid NOT IN (SELECT oid FROM billing_tables)
+    ) x
+$$;
+
 -- The switch, in the caller's transaction, which holds the tables' locks: each of `tables`
 -- moves from schema billing to `aside`, and its twin from `incoming` to billing. A
 -- statement of a worker that waited for a lock finds the name again once it has it, and
@@ -136,7 +158,13 @@ CREATE OR REPLACE FUNCTION ledger.reprojection_switch(incoming text, aside text,
 LANGUAGE plpgsql AS $$
 DECLARE
     name text;
+    dependents text[] := ledger.reprojection_dependents();
 BEGIN
+    IF cardinality(dependents) > 0 THEN
+        RAISE EXCEPTION 'billing tables are named by % outside schema billing, which a switch would leave on the '
+                        'tables set aside: nothing was switched', array_to_string(dependents, ', ')
+              USING ERRCODE = 'LR001';
+    END IF;
     EXECUTE format('CREATE SCHEMA IF NOT EXISTS %I', aside);
     FOREACH name IN ARRAY tables LOOP
         IF to_regclass(format('%I.%I', incoming, name)) IS NULL THEN

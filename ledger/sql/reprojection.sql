@@ -26,6 +26,9 @@ SELECT r.*, (SELECT coalesce(sum(p.done), 0)::bigint FROM ledger.reprojection_pa
 -- name: reprojection_parts
 SELECT part, total, done FROM ledger.reprojection_parts WHERE reprojection_id = %(id)s ORDER BY part
 
+-- name: reprojection_dependents
+SELECT ledger.reprojection_dependents() AS dependents
+
 -- name: reprojection_make_shadow
 SELECT ledger.reprojection_make_shadow(%(schema)s) AS tables
 

@@ -129,8 +129,7 @@ def reproject_status(obj: _Context, limit: int, as_json: bool):
     and the handlers it does not run."""
     reprojection = _reprojection(obj)
     run = reprojection.ledger.latest()
-    not_run = [{"pattern": entry.pattern, "handler": getattr(entry.handler, "__qualname__", type(entry.handler).__qualname__),
-                "module": getattr(entry.handler, "__module__", None)} for entry in reprojection.not_projected]
+    not_run = reprojection.handlers_not_run()
     if run is None:
         if as_json:
             _echo_json({"run": None, "handlers_not_rebuilt": not_run})

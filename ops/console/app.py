@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import threading
 import uuid
+
+import psycopg
 from datetime import datetime, timedelta, timezone
 
 from flask import Blueprint, Flask, abort, current_app, flash, g, redirect, render_template, request, session, url_for
@@ -73,6 +75,15 @@ class PostForm(FlaskForm):
     """A button: no fields but the CSRF token."""
 
 
+class ReprojectionApplyForm(FlaskForm):
+    strict = BooleanField("Refuse while any event could not be rebuilt")
+    confirm = BooleanField("I have read the diff", validators=[DataRequired()])
+
+
+class ReprojectionUndoForm(FlaskForm):
+    confirm = BooleanField("Switch the tables from before the apply back in", validators=[DataRequired()])
+
+
 class ReconcileForm(FlaskForm):
     object_type = SelectField("Object type", choices=list(COLLECTIONS))
     account = StringField("Account", validators=[Optional(), Length(max=255)])
@@ -106,6 +117,7 @@ def create_app(settings: Settings | None = None, console: ConsoleSettings | None
     app.after_request(_security_headers)
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(CSRFError, _csrf_error)
+    app.register_error_handler(psycopg.errors.QueryCanceled, _too_slow)
     app.register_error_handler(InputError, lambda exc: (render_template("error.html", code=400, message=str(exc)), 400))
     app.jinja_env.filters["when"] = _when
     app.jinja_env.filters["age"] = _age
@@ -184,6 +196,14 @@ def _http_error(exc: HTTPException):
     if exc.code == 401:
         return render_template("error.html", code=401, message="log in first"), 401
     return render_template("error.html", code=exc.code, message=exc.description), exc.code or 500
+
+
+def _too_slow(exc: psycopg.errors.QueryCanceled):
+    """A statement past STATEMENT_TIMEOUT_MS (a filter reading a whole range, a re-projection's diff of large
+    tables): cancelled, nothing it would have changed was changed."""
+    message = (f"the database needed more than {STATEMENT_TIMEOUT_MS:,} ms for this page: narrow the filter, "
+               "or use ledgerctl")
+    return render_template("error.html", code=503, message=message), 503
 
 
 def _csrf_error(exc: CSRFError):
@@ -496,3 +516,60 @@ def drift_run():
     except LedgerError as exc:
         abort(400, str(exc))
     return redirect(url_for(".drift"))
+
+
+# -- re-projection (docs/reprojection.md) ---------------------------------------------------------
+# Rows of the diff shown per table: the page compares whole tables, so it is as slow as `ledgerctl
+# reproject diff` (seconds on tables built from a million events), and shows the first rows of each.
+DIFF_ROWS = 20
+
+
+def _reprojection():
+    from ledger.reprojection import ReprojectionLedger
+    from workers.registry import load_handlers
+    from workers.reproject import Reprojection
+
+    settings = current_app.config["LEDGER"]
+    return Reprojection(ReprojectionLedger(settings, _ledger("pool")), load_handlers(settings))
+
+
+@bp.get("/reprojection")
+@login_required
+def reprojection():
+    rebuild = _reprojection()
+    run = rebuild.ledger.latest()
+    diffs = rebuild.ledger.diff(run["tables"], limit=DIFF_ROWS) if run and run["state"] == "built" else []
+    return render_template("reprojection.html", run=run, diffs=diffs, not_run=rebuild.handlers_not_run(),
+                           skips=rebuild.ledger.skips(run["id"], 50) if run else [],
+                           skipped=rebuild.ledger.skip_counts(run["id"]) if run else {},
+                           audit=rebuild.ledger.audit_of(run["id"]) if run else [],
+                           apply_form=ReprojectionApplyForm(), undo_form=ReprojectionUndoForm())
+
+
+@bp.post("/reprojection/apply")
+@requires_operator
+def reprojection_apply():
+    form = ReprojectionApplyForm()
+    if not form.validate_on_submit():
+        abort(400, "tick the confirmation: an apply switches the rebuilt tables in")
+    return _reprojection_change(lambda rebuild: rebuild.apply(actor=_actor(), strict=bool(form.strict.data)))
+
+
+@bp.post("/reprojection/undo")
+@requires_operator
+def reprojection_undo():
+    if not ReprojectionUndoForm().validate_on_submit():
+        abort(400, "tick the confirmation: an undo switches the tables from before the apply back in")
+    return _reprojection_change(lambda rebuild: rebuild.undo(actor=_actor()))
+
+
+def _reprojection_change(change):
+    from ledger.reprojection import ReprojectionBusy, ReprojectionError
+
+    try:
+        change(_reprojection())
+    except ReprojectionBusy as exc:
+        abort(409, str(exc))
+    except ReprojectionError as exc:
+        abort(400, str(exc))
+    return redirect(url_for(".reprojection"))

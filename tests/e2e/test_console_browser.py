@@ -28,7 +28,7 @@ from ledger.catchup import CatchupLedger
 from ledger.reconcile_runs import ReconcileRuns
 from ops.console.auth import hash_password
 from tests.support.handlers_for_tests import register_pre_accounts_v2
-from tests.support.workers import RecordingWaker, env_for
+from tests.support.workers import RecordingWaker, env_for, run_ledgerctl
 from workers.processor import EventProcessor, Outcome
 from workers.registry import load_handlers
 
@@ -247,3 +247,31 @@ def test_six_wrong_passwords_are_slowed_down(browser, console):
         assert text(browser, "error") == "wrong name or password"
     log_in(browser, console.url, "olga", refused=True)   # the right one, but too soon
     assert text(browser, "error").startswith("too many failed logins")
+
+
+def test_an_operator_reads_a_rebuilds_diff_and_applies_it(browser, console, kit, broker_settings, monkeypatch):
+    from selenium.webdriver.common.by import By
+
+    from tests.support import reprojection as rp
+
+    rp.plant_bug(monkeypatch)
+    processor = kit.processor()
+    for evt_id in kit.record_many(rp.lifecycles(6)):
+        assert processor.process(evt_id) is Outcome.PROCESSED
+    monkeypatch.undo()  # the handler is fixed
+    buggy = rp.tables(kit.query)
+    started = run_ledgerctl(broker_settings, "reproject", "start")
+    assert started.returncode == 0, started.stderr
+
+    log_in(browser, console.url, "vera")
+    browser.get(f"{console.url}/reprojection")
+    assert "built" in text(browser, "rebuild-state") and not browser.find_elements(By.ID, "reprojection-apply")
+    browser.delete_all_cookies()
+    log_in(browser, console.url, "olga")
+    browser.get(f"{console.url}/reprojection")
+    assert "subscriptions" in text(browser, "diff-counts") and "past_due" in browser.page_source
+    shot(browser, "reprojection")
+    browser.find_element(By.ID, "confirm").click()
+    submit(browser, browser.find_element(By.CSS_SELECTOR, "#reprojection-apply button"))
+    assert "applied" in text(browser, "rebuild-state") and "console:olga" in text(browser, "reprojection-audit")
+    assert rp.tables(kit.query) != buggy

@@ -13,6 +13,7 @@ import pytest
 from devkit.factories import event
 from devkit.procs import REPO, venv_tool, wait_until
 from tests.support import reprojection as rp
+from tests.support.console import app, client_for, console_settings, token_of  # noqa: F401
 from tests.support.workers import LedgerKit, env_for, run_ledgerctl
 
 
@@ -178,3 +179,77 @@ def done(kit) -> int:
     rows = kit.query("SELECT coalesce(sum(done), 0)::bigint AS n FROM ledger.reprojection_parts p "
                      "JOIN ledger.reprojections r ON r.id = p.reprojection_id WHERE r.state = 'building'")
     return rows[0]["n"]
+
+
+def test_the_console_shows_the_diff_to_a_viewer_and_only_an_operator_applies_and_undoes(
+        kit, app, ledgerctl_cli, monkeypatch):
+    rp.plant_bug(monkeypatch)
+    process_all(kit, rp.lifecycles(4))
+    monkeypatch.undo()
+    buggy = rp.tables(kit.query)
+    assert app.test_client().get("/reprojection").status_code == 302  # a stranger goes to the login page
+    viewer, operator = client_for(app, "vera"), client_for(app, "olga")
+    assert "No rebuild yet" in viewer.get("/reprojection").text
+    ledgerctl_cli("reproject", "start")
+
+    page = viewer.get("/reprojection").text
+    assert "built</h2>" in page and 'id="diff-counts"' in page and "past_due" in page
+    assert 'id="reprojection-apply"' not in page
+    token = token_of(viewer, "/reprojection")
+    assert viewer.post("/reprojection/apply", data={"csrf_token": token, "confirm": "y"}).status_code == 403
+    assert operator.post("/reprojection/apply", data={"confirm": "y"}).status_code == 400  # no CSRF token
+    assert rp.tables(kit.query) == buggy
+
+    token = token_of(operator, "/reprojection")
+    assert 'id="reprojection-apply"' in operator.get("/reprojection").text
+    assert operator.post("/reprojection/apply", data={"csrf_token": token}).status_code == 400  # not confirmed
+    assert operator.post("/reprojection/apply", data={"csrf_token": token, "confirm": "y"}).status_code == 302
+    assert rp.tables(kit.query) != buggy
+    page = operator.get("/reprojection").text
+    assert "applied</h2>" in page and 'id="reprojection-undo"' in page and "console:olga" in page
+    assert viewer.post("/reprojection/undo", data={"csrf_token": token_of(viewer, "/reprojection"),
+                                                   "confirm": "y"}).status_code == 403
+    assert operator.post("/reprojection/undo", data={"csrf_token": token_of(operator, "/reprojection"),
+                                                     "confirm": "y"}).status_code == 302
+    assert rp.tables(kit.query) == buggy
+
+
+def test_a_diff_longer_than_the_consoles_statement_timeout_is_a_503_not_a_500(
+        kit, broker_settings, console_settings, ledgerctl_cli, monkeypatch):
+    import ops.console.app as console_app
+
+    process_all(kit, rp.lifecycles(2))
+    ledgerctl_cli("reproject", "start")
+    monkeypatch.setattr(console_app, "STATEMENT_TIMEOUT_MS", 300)
+    slow = console_app.create_app(broker_settings, console_settings, run_replays=False)
+    try:
+        viewer = client_for(slow, "vera")
+        with psycopg.connect(kit.settings.database_url) as holder:  # the diff waits for this lock past the timeout
+            holder.execute("LOCK TABLE billing_rebuild.customers IN ACCESS EXCLUSIVE MODE")
+            answer = viewer.get("/reprojection")
+        assert answer.status_code == 503 and "more than 300 ms" in answer.text, answer.text
+        assert viewer.get("/reprojection").status_code == 200
+    finally:
+        slow.extensions["ledger"]["pool"].close()
+
+
+def test_a_view_or_foreign_key_on_billing_tables_from_outside_refuses_start_and_apply(kit, ledgerctl_cli):
+    process_all(kit, rp.lifecycles(1))
+    kit.execute("CREATE VIEW public.reproject_test_view AS SELECT id FROM billing.customers")
+    try:
+        refused = ledgerctl_cli("reproject", "start", code=1)
+        assert "view reproject_test_view" in refused.stderr and "nothing was started" in refused.stderr
+    finally:
+        kit.execute("DROP VIEW public.reproject_test_view")
+    ledgerctl_cli("reproject", "start")
+    live = rp.tables(kit.query)
+    kit.execute("CREATE TABLE public.reproject_test_fk (customer_id text REFERENCES billing.customers (id))")
+    try:
+        refused = ledgerctl_cli("reproject", "apply", "--yes", code=1)
+        assert "foreign key reproject_test_fk_customer_id_fkey" in refused.stderr
+        assert "nothing was switched" in refused.stderr
+        assert json.loads(ledgerctl_cli("reproject", "status", "--json").stdout)["run"]["state"] == "built"
+        assert rp.tables(kit.query) == live
+    finally:
+        kit.execute("DROP TABLE public.reproject_test_fk")
+    ledgerctl_cli("reproject", "apply", "--yes")
