@@ -189,12 +189,13 @@ class ReprojectionLedger:
         return [StoredEvent.from_row(row) for row in
                 _all(conn, SQL.reprojection_queued_events, {"part": part, "after": after, "size": size})]
 
-    def processed_since(self, conn: psycopg.Connection, since: datetime, after: tuple[datetime, str] | None,
-                        size: int) -> list[StoredEvent]:
-        after_created, after_id = after or (datetime.min.replace(tzinfo=since.tzinfo), "")
+    def processed_since(self, conn: psycopg.Connection, since: datetime) -> list[tuple[str, datetime]]:
+        """The keys (id, created) of the events processed at or after ``since``, in Stripe's order."""
+        return conn.execute(SQL.reprojection_processed_since, {"since": since}).fetchall()
+
+    def events_by_key(self, conn: psycopg.Connection, keys: list[tuple[str, datetime]]) -> list[StoredEvent]:
         return [StoredEvent.from_row(row) for row in _all(
-            conn, SQL.reprojection_processed_since,
-            {"since": since, "after_created": after_created, "after_id": after_id, "size": size})]
+            conn, SQL.reprojection_events_by_key, {"ids": [k[0] for k in keys], "created": [k[1] for k in keys]})]
 
     def advance(self, conn: psycopg.Connection, run_id: int, part: int, done: int) -> bool:
         """In a slice's transaction; False when the run is no longer building (cancelled)."""

@@ -320,15 +320,13 @@ class Reprojection:
         pass's start recorded. ``locked``: inside the switch's transaction (its slices are savepoints)."""
         since = self.ledger.get(run_id)["caught_up_to"]
         cut = self.ledger.catchup_cut(conn)
-        applied, after = 0, None
-        while True:
-            events = self.ledger.processed_since(conn, since, after, self.slice_size)
-            if not events:
-                break
+        keys = self.ledger.processed_since(conn, since)
+        applied = 0
+        for at in range(0, len(keys), self.slice_size):
+            events = self.ledger.events_by_key(conn, keys[at:at + self.slice_size])
             self._apply_slice(conn, shadow, run_id, events, finish=lambda c: True, fast=not locked)
             applied += len(events)
-            after = (events[-1].created, events[-1].id)
-            self.progress("catch-up", applied, applied)
+            self.progress("catch-up", at + len(events), len(keys))
         if not self.ledger.record_catchup(conn, run_id, state, cut, applied):
             raise _Cancelled()
         return applied

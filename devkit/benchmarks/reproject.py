@@ -23,9 +23,12 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import re
 import resource
 import subprocess
+import sys
+import threading
 import time
 from typing import Any
 
@@ -105,6 +108,29 @@ def _flush(conn) -> None:
     conn.execute("TRUNCATE history")
 
 
+class EndlessDeliveries:
+    """The paced client's deliveries, made as it sends them (a template re-issued under a new event id and
+    signed then), as many as rebuilds of unknown length need: the first full run, with a list sized in
+    advance, ran out of them 645 s into the second rebuild."""
+
+    def __init__(self, templates: list[dict[str, Any]], secret: str, seed: int):
+        self._templates, self._secret = templates, secret
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return sys.maxsize
+
+    def __getitem__(self, n: int):
+        from . import payloads
+
+        with self._lock:
+            evt = dict(self._rng.choice(self._templates))
+        evt["id"] = payloads.event_id()
+        text = payloads.body(evt)
+        return payloads.SignedDelivery(evt["id"], text, payloads.sign(text, self._secret))
+
+
 def _postgres_cpu_s() -> float:
     """CPU seconds of every process named postgres on the machine (the bench's private server and the
     machine's own, which nothing else uses meanwhile)."""
@@ -162,7 +188,7 @@ def _rebuild(b, log, name: str) -> dict[str, Any]:
 def scenario(b) -> dict[str, Any]:
     """ops/bench reproject: the history filled, then the paced client and the README workers around two
     rebuilds and their applies (see the module's docstring)."""
-    from .scenarios import history_label, log
+    from .scenarios import SECRET, history_label, log
     from .stack import MachineCpu
 
     total = 100_000 if b.opts.quick else SCENARIO_EVENTS
@@ -171,7 +197,7 @@ def scenario(b) -> dict[str, Any]:
     log(f"reproject: writing a history of {history_label(total)} processed events")
     history = fill_history(b.db.url, total, log)
     rc = b.receiver()
-    deliveries = b.deliveries(b.templates, int(ACK_RATE * (2 * ACK_WINDOW_S + 1800)), seed=331)
+    deliveries = EndlessDeliveries(b.templates, SECRET, seed=331)
     phases: dict[str, Any] = {}
     rebuilds: dict[str, Any] = {}
     with b.readme_fleet():

@@ -86,14 +86,20 @@ SELECT q.seq, e.id, e.type, e.payload, e.stripe_created, e.livemode, e.account, 
  ORDER BY q.seq
 
 -- name: reprojection_processed_since
--- A slice of a catch-up: events processed at or after `since`, in Stripe's order, after the key
--- (created, id) the previous slice ended on. A pruned one was processed long before any rebuild.
+-- A catch-up's events: every one processed at or after `since`, by key, in Stripe's order. A pruned
+-- one was processed long before any rebuild.
+SELECT id, stripe_created FROM ledger.events
+ WHERE status = 'processed' AND payload IS NOT NULL AND processed_at >= %(since)s
+ ORDER BY stripe_created, id
+
+-- name: reprojection_events_by_key
+-- A slice of a catch-up, read by key, in the order given. One no longer processed (replayed since) is
+-- left to a later catch-up, which meets it once it is processed again.
 SELECT e.id, e.type, e.payload, e.stripe_created, e.livemode, e.account, e.api_version
-  FROM ledger.events e
- WHERE e.status = 'processed' AND e.payload IS NOT NULL AND e.processed_at >= %(since)s
-   AND (e.stripe_created, e.id) > (%(after_created)s, %(after_id)s)
- ORDER BY e.stripe_created, e.id
- LIMIT %(size)s
+  FROM unnest(%(ids)s::text[], %(created)s::timestamptz[]) WITH ORDINALITY AS k(id, stripe_created, n)
+  JOIN ledger.events e ON e.id = k.id AND e.stripe_created = k.stripe_created
+ WHERE e.status = 'processed'
+ ORDER BY k.n
 
 -- name: reprojection_advance
 -- In the slice's transaction: its part's progress. No row: the rebuild was cancelled (or is no

@@ -128,8 +128,9 @@ def test_what_cannot_be_done_is_refused_with_a_clear_error_and_changes_nothing(k
     assert "unknown table" in ledgerctl_cli("reproject", "diff", "--table", "nope", code=2).stderr
     with psycopg.connect(kit.settings.database_url, autocommit=True) as holder:
         holder.execute("SELECT pg_advisory_lock(hashtextextended('ledger.reprojection', 0))")
-        busy = ledgerctl_cli("reproject", "apply", "--yes", code=4)
-        assert "another process is working on a rebuild" in busy.stderr
+        for command in (("start",), ("resume",), ("apply", "--yes"), ("undo", "--yes")):
+            busy = ledgerctl_cli("reproject", *command, code=None)
+            assert busy.exit_code == (4 if command[0] in ("start", "resume", "apply") else 1), (command, busy.stderr)
     assert json.loads(ledgerctl_cli("reproject", "status", "--json").stdout)["run"]["state"] == "built"
     ledgerctl_cli("reproject", "cancel")
     assert kit.query("SELECT to_regnamespace('billing_rebuild') AS s")[0]["s"] is None
