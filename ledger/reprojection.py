@@ -37,6 +37,10 @@ class ReprojectionError(LedgerError):
     """A rebuild command that cannot go ahead: nothing was changed. Its message says why."""
 
 
+class UnknownTable(ReprojectionError):
+    """A table the rebuild did not make was asked for (a usage error)."""
+
+
 class ReprojectionBusy(ReprojectionError):
     """Another process works on a rebuild (it holds the rebuild's advisory lock)."""
 
@@ -273,10 +277,8 @@ class ReprojectionLedger:
         keys = shape["key"]
         names = [f"k{n}" for n in range(len(keys))]
         statement = pgsql.SQL(SQL.reprojection_diff).format(
-            key_live=pgsql.SQL(", ").join(pgsql.SQL("{} AS {}").format(pgsql.SQL(expr), pgsql.Identifier(name))
-                                          for expr, name in zip(keys, names)),
-            key_rebuilt=pgsql.SQL(", ").join(pgsql.SQL("{} AS {}").format(pgsql.SQL(expr), pgsql.Identifier(name))
-                                             for expr, name in zip(keys, names)),
+            key=pgsql.SQL(", ").join(pgsql.SQL("{} AS {}").format(pgsql.SQL(expr), pgsql.Identifier(name))
+                                     for expr, name in zip(keys, names)),
             join=pgsql.SQL(" AND ").join(pgsql.SQL("l.{0} = s.{0}").format(pgsql.Identifier(name)) for name in names),
             table=pgsql.Identifier(table))
         rows = run_statement(self._pool, statement, {"limit": limit, "written_at": shape["written_at"] or []})

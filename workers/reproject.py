@@ -35,7 +35,8 @@ from typing import Any, Callable, Iterable
 import psycopg
 
 from ledger import stripe_events
-from ledger.reprojection import BEFORE, SHADOW, ReprojectionError, ReprojectionLedger, StoredEvent, TableDiff
+from ledger.reprojection import (BEFORE, SHADOW, ReprojectionError, ReprojectionLedger, StoredEvent, TableDiff,
+                                 UnknownTable)
 from workers.failures import classify
 from workers.handlers import ApplyContext, HandlerRegistry, Registration, handler_name
 
@@ -191,7 +192,7 @@ class Reprojection:
         run = self._run_in("built", doing="diff")
         unknown = sorted(set(tables or ()) - set(run["tables"]))
         if unknown:
-            raise ReprojectionError(f"unknown table {', '.join(unknown)}: the rebuilt tables are "
+            raise UnknownTable(f"unknown table {', '.join(unknown)}: the rebuilt tables are "
                                     f"{', '.join(run['tables'])}")
         return run, self.ledger.diff(tables or run["tables"], limit=limit)
 
@@ -269,7 +270,7 @@ class Reprojection:
 
     def _build_parts_in_processes(self, run: dict, parts: list[dict]) -> None:
         context = multiprocessing.get_context("fork")
-        processes = [context.Process(target=self._build_part_in_child, args=(run, part, os.getpid()),
+        processes = [context.Process(target=self._build_part, args=(run, part), kwargs={"parent": os.getpid()},
                                      name=f"reproject-part-{part['part']}") for part in parts]
         for process in processes:
             process.start()
@@ -285,9 +286,6 @@ class Reprojection:
             raise ReprojectionError(f"{', '.join(failed)} stopped (exit codes "
                                     f"{[p.exitcode for p in processes]}): the rebuild is still building; "
                                     "`ledgerctl reproject resume` goes on from where each part got to")
-
-    def _build_part_in_child(self, run: dict, part: dict, parent: int) -> None:
-        self._build_part(run, part, parent=parent)
 
     def _build_part(self, run: dict, part: dict, *, parent: int | None = None) -> None:
         """One part of the main pass, slice by slice, from where it got to. In a child, it stops when its
@@ -311,7 +309,8 @@ class Reprojection:
 
     def _catch_up_until_few(self, conn: psycopg.Connection, run_id: int, state: str, schema: str,
                             tables: list[str]) -> None:
-        while self._catch_up(conn, run_id, state, ShadowConnection(conn, schema, tables)) > CATCHUP_FEW:
+        shadow = ShadowConnection(conn, schema, tables)
+        while self._catch_up(conn, run_id, state, shadow) > CATCHUP_FEW:
             pass
 
     def _catch_up(self, conn: psycopg.Connection, run_id: int, state: str, shadow: ShadowConnection,
@@ -365,7 +364,10 @@ class Reprojection:
         todo, unbuildable = [], []
         for event in events:
             reason = _unbuildable(event)
-            (unbuildable.append((event, *reason)) if reason else todo.append(event))
+            if reason:
+                unbuildable.append((event, *reason))
+            else:
+                todo.append(event)
         if fast:
             try:
                 with conn.transaction(), conn.pipeline():

@@ -201,10 +201,10 @@ SELECT (SELECT array_agg(a.attname::text ORDER BY a.attnum)
 -- name: reprojection_diff
 -- One table's rows that differ (their key, the live row, the rebuilt one; NULL where the row is
 -- not there), to `limit`; and the counts, in every row. Generated from reprojection_table_shape:
--- {key_live} and {key_rebuilt} the key's expressions, {join} their equalities, {table} the table's name;
+-- {key} the key's expressions (named k0, k1, ...), {join} their equalities, {table} the table's name;
 -- written_at the columns left out.
-WITH l AS (SELECT {key_live}, to_jsonb(t) - %(written_at)s::text[] AS r FROM billing.{table} t),
-     s AS (SELECT {key_rebuilt}, to_jsonb(t) - %(written_at)s::text[] AS r FROM billing_rebuild.{table} t),
+WITH l AS (SELECT {key}, to_jsonb(t) - %(written_at)s::text[] AS r FROM billing.{table} t),
+     s AS (SELECT {key}, to_jsonb(t) - %(written_at)s::text[] AS r FROM billing_rebuild.{table} t),
      d AS (SELECT l.r AS live, s.r AS rebuilt FROM l FULL JOIN s ON {join} WHERE l.r IS DISTINCT FROM s.r),
      n AS (SELECT count(*) FILTER (WHERE rebuilt IS NULL) AS only_live,
                   count(*) FILTER (WHERE live IS NULL) AS only_rebuilt,

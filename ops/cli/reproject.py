@@ -161,14 +161,14 @@ def reproject_status(obj: _Context, limit: int, as_json: bool):
 @click.pass_obj
 def reproject_diff(obj: _Context, tables: tuple[str, ...], limit: int, as_json: bool):
     """Per table, live against rebuilt: rows only live, only rebuilt, changed (which columns, old -> new)."""
-    from ledger.reprojection import ReprojectionError
+    from ledger.reprojection import ReprojectionError, UnknownTable
 
     reprojection = _reprojection(obj)
     try:
         run, diffs = reprojection.diff(limit=limit, tables=list(tables) or None)
+    except UnknownTable as exc:
+        raise click.BadParameter(str(exc), param_hint="--table") from None
     except ReprojectionError as exc:
-        if tables and "unknown table" in str(exc):
-            raise click.BadParameter(str(exc), param_hint="--table") from None
         _refused(exc)
     skips = reprojection.ledger.skips(run["id"], 1000)
     if as_json:

@@ -10,10 +10,9 @@ from __future__ import annotations
 import json
 import threading
 import uuid
-
-import psycopg
 from datetime import datetime, timedelta, timezone
 
+import psycopg
 from flask import Blueprint, Flask, abort, current_app, flash, g, redirect, render_template, request, session, url_for
 from flask_wtf import CSRFProtect, FlaskForm
 from flask_wtf.csrf import CSRFError
