@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import Any, Iterable, Iterator, Sequence
 
 import psycopg
+from psycopg.types.json import Json
 
 from ledger.db import ProcessPool
 from ledger.errors import LeaseLost, LedgerError
@@ -176,6 +177,24 @@ class WorkerLedger:
         conn.execute(SQL.event_record_snapshot_twin, {"event_id": event_id, "snapshot_event_id": snapshot_event_id})
 
     @staticmethod
+    def lock_objects(conn: psycopg.Connection, keys: Iterable[str]) -> None:
+        """In the caller's transaction: wait for the object keys, all of them, in the one global order
+        (object_lock): what a write of billing rows outside a worker's batch (a fetched object) takes
+        first, so that it and a worker's batch writing the same customer's rows go one after the other."""
+        wanted = sorted(set(keys))
+        if wanted:
+            conn.execute(SQL.object_lock, {"keys": wanted}).fetchall()
+
+    @staticmethod
+    def record_applied_object(conn: psycopg.Connection, claim: Claim, obj: dict[str, Any], *, fetched_at: datetime,
+                              api_version: str | None, applied_as: str | None) -> None:
+        """In the apply transaction (``conn``): what the thin notification was applied as
+        (event_record_applied_object)."""
+        conn.execute(SQL.event_record_applied_object, {
+            "event_id": claim.event_id, "created": claim.created, "object": Json(obj), "fetched_at": fetched_at,
+            "api_version": api_version, "applied_as": applied_as})
+
+    @staticmethod
     def record_health_alert(conn: psycopg.Connection, alert: dict[str, Any]) -> bool:
         """In the apply transaction (``conn``): Stripe's health alert and its repair (health_alert_record).
         False when an earlier attempt of the same notification recorded it."""
@@ -235,6 +254,11 @@ class ApplyTransaction:
         self._pipeline = pipeline
         # A member that committed may have left SET LOCAL settings behind; the next starts without them.
         self._settings_changed = False
+
+    @property
+    def connection(self) -> psycopg.Connection:
+        """The transaction's connection, for what writes in it (a batch's writer)."""
+        return self._conn
 
     def try_lock(self, keys: Iterable[str]) -> set[str]:
         """The object keys this transaction could lock without waiting (object_try_lock)."""

@@ -20,6 +20,7 @@ from psycopg import sql as pgsql
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
+from ledger import jsoncodec
 from ledger.config import Settings
 from ledger.db import ProcessPool, session_lock
 from ledger.errors import LedgerError
@@ -47,7 +48,8 @@ class ReprojectionBusy(ReprojectionError):
 
 @dataclass(frozen=True)
 class StoredEvent:
-    """A processed event as a rebuild reads it back from the ledger."""
+    """A processed event as a rebuild reads it back from the ledger; for a thin notification, what the
+    worker applied for it (migration 0016), when the ledger kept it."""
     id: str
     type: str
     payload: dict | None
@@ -55,11 +57,15 @@ class StoredEvent:
     livemode: bool
     account: str | None
     api_version: str | None
+    applied_object: dict | None = None
+    applied_api_version: str | None = None
+    applied_as: str | None = None
 
     @classmethod
     def from_row(cls, row: dict) -> "StoredEvent":
         return cls(row["id"], row["type"], row["payload"], row["stripe_created"], row["livemode"], row["account"],
-                   row["api_version"])
+                   row["api_version"], row.get("applied_object"), row.get("applied_api_version"),
+                   row.get("applied_as"))
 
 
 @dataclass
@@ -158,7 +164,11 @@ class ReprojectionLedger:
         """The rebuild's own session (autocommit; each slice opens its transaction): a long rebuild never
         holds one of the pool's connections, nor a snapshot between its slices. Rows as tuples, as the
         handlers get them on a worker's connection; this class reads its own as dicts (``_one``, ``_all``)."""
-        conn = psycopg.connect(self._settings.database_url, autocommit=True, application_name="ledger-reproject")
+        conn = jsoncodec.use(psycopg.connect(self._settings.database_url, autocommit=True,
+                                             application_name="ledger-reproject"))
+        # The shadow's tables start empty and grow: a plan made for an empty table (a sequential scan) would
+        # stay the plan of a prepared statement that reads them.
+        conn.execute("SET plan_cache_mode = force_custom_plan")
         try:
             yield conn
         finally:
@@ -168,13 +178,13 @@ class ReprojectionLedger:
         """Views and foreign keys outside billing that name its tables (a switch would leave them behind)."""
         return run_statement(self._pool, SQL.reprojection_dependents)[0]["dependents"]
 
-    def create(self, conn: psycopg.Connection, *, actor: str, scope: dict, parts: int) -> dict:
+    def create(self, conn: psycopg.Connection, *, actor: str, scope: dict, parts: int, tables: list[str]) -> dict:
         """A new rebuild, building: the shadow made from the live tables, the main pass's events queued in
         ``parts`` parts, the first catch-up's start taken before the queue is read. Its ``start`` audited.
         One transaction."""
         with conn.transaction():
             cut = self.catchup_cut(conn)
-            tables = _one(conn, SQL.reprojection_make_shadow, {"schema": SHADOW})["tables"]
+            tables = _one(conn, SQL.reprojection_make_shadow, {"schema": SHADOW, "tables": tables})["tables"]
             conn.execute(SQL.reprojection_create_queue)
             total = conn.execute(SQL.reprojection_fill_queue, {"parts": parts}).rowcount
             run_id = _one(conn, SQL.reprojection_create, {"scope": Jsonb(scope), "actor": actor, "tables": tables,

@@ -21,6 +21,7 @@ import psycopg
 from ledger.outbox import record
 from ledger.stripe_events import is_v2
 from workers.failures import UnmappablePayload
+from workers.rows import EventRows, Table
 
 
 # Fields of an event's object naming other objects whose rows its handlers write.
@@ -45,9 +46,27 @@ def object_keys(event: Mapping[str, Any]) -> set[str]:
     return keys
 
 
+class RowsFirst:
+    """The apply transaction's connection as a handler sees it (``ctx.conn``): any use of it first writes
+    the rows the batch's handlers recorded so far (``ctx.rows``), so raw SQL finds its own event's rows
+    written, and what it writes comes after them. A handler that writes only through ``ctx.rows`` never
+    touches it, and its batch is written in one go."""
+
+    __slots__ = ("raw", "_rows")
+
+    def __init__(self, raw: Any, rows: EventRows):
+        self.raw = raw
+        self._rows = rows
+
+    def __getattr__(self, name: str) -> Any:
+        self._rows.flush()
+        return getattr(self.raw, name)
+
+
 @dataclass(frozen=True)
 class ApplyContext:
-    """What a handler gets: the event, and the connection of the apply transaction.
+    """What a handler gets: the event, where its rows go (``rows``), and the apply transaction's
+    connection (``conn``, for raw SQL: see RowsFirst).
 
     ``event_id`` is the change's id, what rows and effects are keyed by: the event's own, or for a
     thin notification that Stripe says is the thin version of a snapshot event, that snapshot
@@ -67,6 +86,14 @@ class ApplyContext:
     ledger_event_id: str | None = None  # None: event_id
     # What handlers asked to run once this attempt's writes are committed (see on_commit).
     _after_commit: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    # This event's door to the batch's writer (workers/rows.py): what handlers write their rows through.
+    rows: EventRows | None = None
+
+    def __post_init__(self):
+        raw = self.conn.raw if isinstance(self.conn, RowsFirst) else self.conn
+        object.__setattr__(self, "_raw", raw)
+        if self.rows is not None:
+            object.__setattr__(self, "conn", RowsFirst(raw, self.rows))
 
     @property
     def object(self) -> dict[str, Any]:
@@ -97,7 +124,8 @@ class ApplyContext:
         """
         if if_configured and effect not in self.enabled_effects:
             return None
-        outbox_id = record(self.conn, idempotency_key=":".join(p for p in (self.event_id, effect, key) if p),
+        # On the connection itself: an effect does not need the batch's rows written before it.
+        outbox_id = record(self._raw, idempotency_key=":".join(p for p in (self.event_id, effect, key) if p),
                            effect=effect, event_id=self.ledger_event_id or self.event_id,
                            ordering_key=ordering_key, payload=payload)
         if outbox_id is not None:
@@ -112,10 +140,13 @@ Requirement = Union[str, tuple[str, ...]]
 
 
 class Registration(NamedTuple):
-    """One pattern of one handler, and what the handler requires of an event it takes."""
+    """One pattern of one handler, and what the handler requires of an event it takes; ``rebuilt``: a
+    re-projection runs it (it writes only through ``ctx.rows``, the tables ``writes`` names)."""
     pattern: str
     handler: Handler
     requires: tuple[Requirement, ...] = ()
+    rebuilt: bool = False
+    writes: tuple[Table, ...] = ()
 
 
 # Where a module's @handler declarations are kept: in the module's own namespace.
@@ -157,21 +188,35 @@ def handler_name(fn: Handler) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
-def handler(*patterns: str, requires: Iterable[Requirement] = ()) -> Callable[[Handler], Handler]:
+def handler(*patterns: str, requires: Iterable[Requirement] = (), rebuilt: bool = False,
+            writes: Iterable[Table] = ()) -> Callable[[Handler], Handler]:
     """Declare the decorated function a handler of ``patterns`` (exact types or globs) that needs ``requires``.
 
-    The declaration is kept by the module that makes it (found as
+    ``rebuilt``: ``ledgerctl reproject`` runs it too, and rebuilds the tables it ``writes`` (each a
+    workers.rows.Table of schema billing) beside billing's own; such a handler writes only through
+    ``ctx.rows``. The declaration is kept by the module that makes it (found as
     ``collections.namedtuple`` finds its caller), so ``handler("invoice.paid")(fn)``
     also declares a function imported from elsewhere. Nothing is registered until
     workers.registry loads the module.
     """
     declared = sys._getframe(1).f_globals.setdefault(_DECLARED, [])
     needed = _requirements(requires)
+    tables = _tables(writes, rebuilt)
 
     def declare(fn: Handler) -> Handler:
-        declared.extend(Registration(pattern, fn, needed) for pattern in patterns)
+        declared.extend(Registration(pattern, fn, needed, rebuilt, tables) for pattern in patterns)
         return fn
     return declare
+
+
+def _tables(writes: Iterable[Table], rebuilt: bool) -> tuple[Table, ...]:
+    tables = tuple(writes)
+    if any(not isinstance(t, Table) for t in tables):
+        raise TypeError("writes names workers.rows.Table declarations")
+    if rebuilt and any(t.schema != "billing" for t in tables):
+        raise ValueError("a rebuilt handler's tables live in schema billing, where a rebuild makes their shadows: "
+                         + ", ".join(t.name for t in tables if t.schema != "billing"))
+    return tables
 
 
 def declared_in(module: ModuleType) -> list[Registration]:
@@ -203,27 +248,43 @@ class HandlerRegistry:
         # event than some of the handlers' statements. Emptied by every register().
         self._by_type: dict[str, list[tuple[Handler, tuple[Requirement, ...]]]] = {}
 
-    def register(self, pattern: str, fn: Handler, requires: Iterable[Requirement] = ()) -> Handler:
+    def register(self, pattern: str, fn: Handler, requires: Iterable[Requirement] = (), *, rebuilt: bool = False,
+                 writes: Iterable[Table] = ()) -> Handler:
         """Add ``fn`` for ``pattern``. The same pair registered again keeps one entry, which gains the
-        requirements it did not have."""
+        requirements and tables it did not have (and is rebuilt if either registration says so)."""
         needed = _requirements(requires)
+        tables = _tables(writes, rebuilt)
         self._by_type.clear()
         for index, entry in enumerate(self._entries):
             if entry.pattern == pattern and entry.handler == fn:
                 added = tuple(r for r in needed if r not in entry.requires)
-                self._entries[index] = entry._replace(requires=entry.requires + added)
+                self._entries[index] = entry._replace(
+                    requires=entry.requires + added, rebuilt=entry.rebuilt or rebuilt,
+                    writes=entry.writes + tuple(t for t in tables if t not in entry.writes))
                 return fn
-        self._entries.append(Registration(pattern, fn, needed))
+        self._entries.append(Registration(pattern, fn, needed, rebuilt, tables))
         return fn
 
-    def handler(self, *patterns: str, requires: Iterable[Requirement] = ()) -> Callable[[Handler], Handler]:
+    def handler(self, *patterns: str, requires: Iterable[Requirement] = (), rebuilt: bool = False,
+                writes: Iterable[Table] = ()) -> Callable[[Handler], Handler]:
         needed = _requirements(requires)
 
         def decorate(fn: Handler) -> Handler:
             for pattern in patterns:
-                self.register(pattern, fn, needed)
+                self.register(pattern, fn, needed, rebuilt=rebuilt, writes=writes)
             return fn
         return decorate
+
+    def is_rebuilt(self, fn: Handler) -> bool:
+        """Whether any registration of ``fn`` declares it rebuilt."""
+        return any(entry.rebuilt for entry in self._entries if entry.handler == fn)
+
+    def tables_written(self) -> list[Table]:
+        """The tables the registrations say they write, once each, in order."""
+        seen: list[Table] = []
+        for entry in self._entries:
+            seen.extend(t for t in entry.writes if t not in seen)
+        return seen
 
     def resolve(self, event_type: str) -> list[Handler]:
         """Every handler one of whose patterns matches, once each, in registration order."""
@@ -245,7 +306,7 @@ class HandlerRegistry:
 
     def _match(self, event_type: str) -> list[tuple[Handler, tuple[Requirement, ...]]]:
         order: list[tuple[Handler, list[Requirement]]] = []
-        for pattern, fn, requires in self._entries:
+        for pattern, fn, requires, *_ in self._entries:
             if not _matches(event_type, pattern):
                 continue
             slot = next((s for s in order if s[0] == fn), None)

@@ -47,6 +47,7 @@ from workers.handlers import ApplyContext, HandlerRegistry, object_keys
 from workers.retry import RetryPolicy
 from workers.thin import Applied, ThinFetcher
 from workers.wakeup import Waker
+from workers.writers import LiveWriter
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +152,9 @@ class EventProcessor(LeasedWork):
                 results[claim.event_id] = event
             else:
                 members.append(_Member(claim, event, frozenset(object_keys(event.event))))
+        # In Stripe's order, as the writer plans a batch's rows: a subscription's transitions chain in it,
+        # and its effects are recorded in it.
+        members.sort(key=lambda member: (member.claim.created, member.claim.event_id))
         deferred: list[_Member] = []
         while members:
             round_deferred, members = self._apply_round(members, results, wait=False)
@@ -198,6 +202,7 @@ class EventProcessor(LeasedWork):
         lost: dict[str, LeaseLost] = {}
         try:
             with self.ledger.applying_together([member.claim for member in members]) as tx:
+                writer = LiveWriter(tx.connection)
                 opened = time.monotonic()
                 for n, member in enumerate(members):
                     claim = member.claim
@@ -213,13 +218,16 @@ class EventProcessor(LeasedWork):
                     try:
                         with tx.member(claim) as conn:
                             # By the claim: a thin one's context has its twin's id.
-                            applied.append((claim, self._run_handlers(conn, claim, member.event)))
+                            applied.append((claim, self._run_handlers(conn, claim, member.event, writer)))
                     except Exception as exc:
                         failure = classify(exc)  # classified where caught
                         # A terminated backend's FATAL can arrive before psycopg has seen the connection close.
                         if tx.broken or failure.reason in SESSION_LOST:
                             raise
                         raise _MemberFailed(member, failure) from exc
+                # Every member's rows in one go; a failure here is no one member's (the caller applies
+                # them again, each in a savepoint of its own, where one at fault fails alone).
+                writer.flush()
         except _MemberFailed as failed:
             metrics.APPLY_FALLBACKS.labels(failed.failure.reason).inc()
             results[failed.member.claim.event_id] = failed.failure
@@ -289,7 +297,10 @@ class EventProcessor(LeasedWork):
     def _apply_member(self, tx: ApplyTransaction, claim: Claim, event: Applied) -> ApplyContext | Failure | LeaseLost:
         try:
             with tx.member(claim) as conn:
-                return self._run_handlers(conn, claim, event)
+                writer = LiveWriter(conn)
+                context = self._run_handlers(conn, claim, event, writer)
+                writer.flush()  # in the member's savepoint: its rows, or its failure alone
+                return context
         except BatchLost:
             raise  # the transaction's, not this member's: _apply_round fails every member with it
         except LeaseLost as lost:
@@ -341,16 +352,22 @@ class EventProcessor(LeasedWork):
                 break
         return results
 
-    def _run_handlers(self, conn: psycopg.Connection, claim: Claim, event: Applied) -> ApplyContext:
+    def _run_handlers(self, conn: psycopg.Connection, claim: Claim, event: Applied, writer: LiveWriter) -> ApplyContext:
         """Every handler of the event's type, in order, on the apply transaction's connection, once the
-        fields they require are known to be there (an event missing one writes nothing)."""
+        fields they require are known to be there (an event missing one writes nothing). Their rows go to
+        ``writer``, which the caller flushes (a raw-SQL handler's first statement flushes it too)."""
         self.registry.check_required(event.type, event.event, event.event.get("api_version") or claim.api_version)
         if event.snapshot_twin is not None:
             self.ledger.record_snapshot_twin(conn, claim.event_id, event.snapshot_twin)
+        if event.fetched is not None:  # kept with the event: a rebuild applies the same object
+            self.ledger.record_applied_object(conn, claim, event.fetched.object, fetched_at=event.fetched.at,
+                                              api_version=event.fetched.api_version, applied_as=event.snapshot_twin)
         context = ApplyContext(conn=conn, event_id=event.snapshot_twin or claim.event_id, event_type=event.type,
                                created=claim.created, livemode=claim.livemode, account=claim.account,
                                event=event.event, attempt=claim.attempt, enabled_effects=self.enabled_effects,
-                               ledger_event_id=claim.event_id)
+                               ledger_event_id=claim.event_id,
+                               rows=writer.rows_for(event_id=event.snapshot_twin or claim.event_id, created=claim.created,
+                                                    account=claim.account, livemode=claim.livemode))
         self.registry.apply(context)
         return context
 

@@ -83,8 +83,8 @@ def load_handlers(settings: Settings | None = None) -> HandlerRegistry:
 def _add_module(registry: HandlerRegistry, module: ModuleType, settings: Settings) -> None:
     """A module's @handler declarations (with what they require), in order; then its
     register_handlers(registry, settings), if any."""
-    for pattern, fn, requires in declared_in(module):
-        registry.register(pattern, fn, requires)
+    for pattern, fn, requires, rebuilt, writes in declared_in(module):
+        registry.register(pattern, fn, requires, rebuilt=rebuilt, writes=writes)
     register_handlers = getattr(module, "register_handlers", None)
     if callable(register_handlers):
         register_handlers(registry, settings)

@@ -31,16 +31,18 @@ touches Postgres.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 import stripe
 
 from ledger.attempts import Claim
 from ledger.config import Settings
-from ledger.stripe_events import HEALTH_GENERATION_FAILURE, V1_PREFIX, handler_type, is_deletion
+from ledger.reprojection import StoredEvent
+from ledger.stripe_events import HEALTH_GENERATION_FAILURE, V1_PREFIX, handler_type, is_deletion, is_thin
 from workers.failures import PermanentError
 from workers.stripe_api import COLLECTIONS, PermanentApiError, RetryRule, StripeApi
 
@@ -74,17 +76,54 @@ class KeyOfAnotherMode(PermanentError):
 
 
 @dataclass(frozen=True)
+class Fetched:
+    """The object a thin notification was applied as: what the ledger keeps of it (migration 0016)."""
+    object: dict[str, Any]
+    at: datetime
+    api_version: str | None
+
+
+@dataclass(frozen=True)
 class Applied:
     """The event a claim's handlers take: ``event`` is what ApplyContext.event holds; ``snapshot_twin``
-    the id of the snapshot event of the same change, when Stripe names one (ApplyContext.event_id)."""
+    the id of the snapshot event of the same change, when Stripe names one (ApplyContext.event_id);
+    ``fetched`` the object a thin notification was applied as."""
     type: str
     event: dict[str, Any]
     snapshot_twin: str | None = None
+    fetched: Fetched | None = None
 
 
 def applied(claim: Claim) -> Applied:
     """A snapshot event's, as it was delivered: nothing to fetch."""
     return Applied(claim.type, claim.payload)
+
+
+def stored(event: StoredEvent) -> Applied:
+    """What a processed event's handlers took, from the ledger alone (a rebuild): a snapshot event as
+    delivered; a thin notification as the object its worker fetched, which the ledger kept."""
+    if not is_thin(event.payload) or event.applied_object is None:
+        return Applied(event.type, event.payload)
+    return _related_event(event.type, event.id, event.created, event.livemode, event.account, event.payload,
+                          event.applied_object, event.applied_as, event.applied_api_version)
+
+
+def _related_event(notification_type: str, notification_id: str, created: datetime, livemode: bool,
+                   account: str | None, notification: dict[str, Any], obj: dict[str, Any], twin: str | None,
+                   api_version: str | None) -> Applied:
+    """A v1 notification's object as ``data.object`` of an event of its snapshot type, keyed by the snapshot
+    event of the same change when there is one: what its handlers take, fetched now or kept."""
+    snapshot_type = handler_type(notification_type)
+    event = {"id": twin or notification_id, "object": "event", "type": snapshot_type,
+             "created": created.timestamp(), "livemode": livemode, "account": account,
+             "api_version": api_version, "data": {"object": obj},
+             "thin": {"id": notification_id, "type": notification_type,
+                      "related_object": notification["related_object"]}}
+    return Applied(snapshot_type, event, snapshot_twin=twin)
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
 
 
 def collection_path(object_type: str) -> str | None:
@@ -119,23 +158,20 @@ class ThinFetcher:
 
     def _related_object(self, claim: Claim, notification: dict[str, Any]) -> Applied:
         related = notification["related_object"]  # its shape was checked by the receiver
-        snapshot_type = handler_type(claim.type)
         twin = self._snapshot_twin(claim)
         try:
-            obj, _ = self._get(related["url"], claim.account)
+            obj, fetched_at = self._get(related["url"], claim.account)
         except PermanentApiError as exc:
-            if exc.status != 404 or not is_deletion(snapshot_type, {}):
+            if exc.status != 404 or not is_deletion(handler_type(claim.type), {}):
                 raise
             # What a deletion leaves: Stripe answers 404 for most deleted objects (a customer's
             # deleted stub is its answer), and the rows are marked deleted from that stub.
-            obj = {"id": related["id"], "object": related["type"], "deleted": True}
-        event = {"id": twin or claim.event_id, "object": "event", "type": snapshot_type,
-                 "created": claim.created.timestamp(), "livemode": claim.livemode, "account": claim.account,
-                 # The version Stripe rendered the object at: the client library's own (no Stripe-Version is
-                 # set), which a library upgrade moves; handlers' required fields guard that.
-                 "api_version": stripe.api_version, "data": {"object": obj},
-                 "thin": {"id": claim.event_id, "type": claim.type, "related_object": related}}
-        return Applied(snapshot_type, event, snapshot_twin=twin)
+            obj, fetched_at = {"id": related["id"], "object": related["type"], "deleted": True}, utcnow()
+        # The version Stripe rendered the object at: the client library's own (no Stripe-Version is set),
+        # which a library upgrade moves; handlers' required fields guard that.
+        event = _related_event(claim.type, claim.event_id, claim.created, claim.livemode, claim.account,
+                               notification, obj, twin, stripe.api_version)
+        return dataclasses.replace(event, fetched=Fetched(obj, fetched_at, stripe.api_version))
 
     def _snapshot_twin(self, claim: Claim) -> str | None:
         """The snapshot event of the same change (the v2 event's ``snapshot_event``). None when Stripe

@@ -28,3 +28,12 @@ SELECT event_id, alert_id, failed_event_type, related_object_type, related_objec
 INSERT INTO ledger.snapshot_twins (snapshot_event_id, event_id, event_created)
 VALUES (%(snapshot_event_id)s, %(event_id)s, (SELECT stripe_created FROM ledger.events WHERE id = %(event_id)s))
 ON CONFLICT (snapshot_event_id) DO NOTHING
+
+-- name: event_record_applied_object
+-- Worker, in the apply transaction of a thin v1 notification: the object it fetched and applied,
+-- when, at which API version, and under which id (migration 0016), so that a rebuild applies the
+-- same. A later attempt (a replay) records what it applied in turn.
+UPDATE ledger.events
+   SET applied_object = %(object)s, applied_object_at = %(fetched_at)s,
+       applied_api_version = %(api_version)s, applied_as = %(applied_as)s
+ WHERE id = %(event_id)s AND stripe_created = %(created)s

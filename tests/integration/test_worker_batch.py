@@ -376,8 +376,9 @@ def test_two_batches_locking_in_opposite_orders_lose_one_member_to_the_deadlock_
     now = int(time.time())
 
     def lockers(name, first, second):
+        # A batch applies its members in Stripe's order: created a second apart, each batch's first locks first.
         return kit.record_many([event("batch.lock", {"id": f"obj_{name}_{n}", "lock_id": lock_id, "sleep_s": 0.5},
-                                      created=now) for n, lock_id in ((1, first), (2, second))])
+                                      created=now + n) for n, lock_id in ((1, first), (2, second))])
 
     batches = {"a": lockers("a", 1, 2), "b": lockers("b", 2, 1)}
     outcomes = batches_at_once(kit, batches)

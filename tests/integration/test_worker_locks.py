@@ -162,9 +162,9 @@ def test_a_handler_that_runs_long_never_holds_the_members_after_it_nor_their_obj
     BATCH_HOLD_S, the batch commits and the members after it go in the next transaction. Meanwhile their
     objects were never locked, so another worker applies an event of the same customer at once."""
     slow_s = 4 * BATCH_HOLD_S
-    now = int(time.time())
-    slow = kit.record(event("test.effect", {"id": "obj_slow_first", "sleep_s": slow_s}, created=now))
     history = SubscriptionHistory(start=1_700_000_000).lifecycle()
+    # First in Stripe's order, the order a batch applies its members in.
+    slow = kit.record(event("test.effect", {"id": "obj_slow_first", "sleep_s": slow_s}, created=1_700_000_000 - 10))
     # The second shares the first's customer and subscription.
     after_id, same_customer = kit.record_many(history.events[:2])
     batch, alone = kit.processor(name="worker-batch"), kit.processor(name="worker-alone")

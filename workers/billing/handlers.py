@@ -1,32 +1,31 @@
 """The built-in billing handlers, loaded like any user handler module (workers.registry).
 
-Each runs inside the apply transaction: mapping (pure) then guarded upserts,
-named SQL from workers/billing/billing.sql. ``register_handlers`` lists every
-event type handled here; the load calls it with the settings, because the
-subscription handler carries the entitlements map they name. Every type, typed
-or not, also goes to the generic mirror (``ObjectMirror``, pattern ``*``), but
-a ``v2.*`` one (workers.registry). Each registration states what its handler
-requires of an event: the mapping's ``*_REQUIRES``, which its row checks too.
-Objects fetched from the API take the same mapping and statements through
-workers/billing/snapshots.py.
+Each maps its event (workers/billing/mapping.py, pure) to rows of the billing tables
+(workers/billing/tables.py) and hands them to ``ctx.rows``; the batch's writer applies them,
+guarded by the order key, with the other events' (workers/writers.py). ``register_handlers``
+lists every event type handled here; the load calls it with the settings, because the
+subscription handler carries the entitlements map they name. Every type, typed or not, also
+goes to the generic mirror (``ObjectMirror``, pattern ``*``), but a ``v2.*`` one
+(workers.registry). Each registration states what its handler requires of an event: the
+mapping's ``*_REQUIRES``, which its row checks too. Objects fetched from the API take the same
+mapping and tables through workers/billing/snapshots.py.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
-
-from psycopg.types.json import Jsonb
+from typing import Any, Mapping
 
 from ledger.config import Settings
 from ledger.errors import ConfigError
-from ledger.queries import load
 from workers.billing import mapping
+from workers.billing.tables import (CHECKOUT_SESSIONS, CUSTOMERS, ENTITLEMENT_SUMMARIES, ENTITLEMENTS, INVOICES, OBJECTS,
+                                    SUBSCRIPTION_ENTITLEMENTS, SUBSCRIPTIONS, TRANSITIONS)
 from workers.failures import PermanentError
 from workers.handlers import ApplyContext, HandlerRegistry
+from workers.rows import NEVER, EventRows
 
-SQL = load("workers.billing")
 ENTITLEMENTS_CHANGED = "entitlements.changed"
 
 CUSTOMER_EVENTS = ("customer.created", "customer.updated", "customer.deleted")
@@ -46,21 +45,18 @@ MIRROR_PATTERN = "*"  # every type, these included
 def register_handlers(registry: HandlerRegistry, settings: Settings) -> None:
     """Called by load_handlers. The entitlements map is read here, once per load: an
     unreadable file fails at start-up, not per event."""
-    registry.handler(*CUSTOMER_EVENTS, requires=mapping.CUSTOMER_REQUIRES)(apply_customer)
-    registry.handler(*SUBSCRIPTION_EVENTS, requires=mapping.SUBSCRIPTION_REQUIRES)(
+    registry.handler(*CUSTOMER_EVENTS, requires=mapping.CUSTOMER_REQUIRES, writes=[CUSTOMERS])(apply_customer)
+    registry.handler(*SUBSCRIPTION_EVENTS, requires=mapping.SUBSCRIPTION_REQUIRES,
+                     writes=[SUBSCRIPTIONS, TRANSITIONS, ENTITLEMENTS])(
         SubscriptionHandler(read_entitlements_map(settings.entitlements_map_path)))
-    registry.handler(*INVOICE_EVENTS, requires=mapping.INVOICE_REQUIRES)(apply_invoice)
-    registry.handler(*CHECKOUT_EVENTS, requires=mapping.CHECKOUT_SESSION_REQUIRES)(apply_checkout_session)
-    registry.handler(*ENTITLEMENT_SUMMARY_EVENTS, requires=mapping.ENTITLEMENT_SUMMARY_REQUIRES)(
-        apply_entitlement_summary)
+    registry.handler(*INVOICE_EVENTS, requires=mapping.INVOICE_REQUIRES, writes=[INVOICES])(apply_invoice)
+    registry.handler(*CHECKOUT_EVENTS, requires=mapping.CHECKOUT_SESSION_REQUIRES,
+                     writes=[CHECKOUT_SESSIONS, CUSTOMERS])(apply_checkout_session)
+    registry.handler(*ENTITLEMENT_SUMMARY_EVENTS, requires=mapping.ENTITLEMENT_SUMMARY_REQUIRES,
+                     writes=[ENTITLEMENTS, ENTITLEMENT_SUMMARIES])(apply_entitlement_summary)
     # Last of the built-ins: a typed handler's refusal (naming the field) is the one reported. It requires
     # nothing up front: what it needs (an id, an object type) it needs only when no other handler takes the type.
-    registry.handler(MIRROR_PATTERN)(ObjectMirror(registry))
-
-
-def _stamp(ctx: ApplyContext, row: dict) -> dict:
-    return {**row, "event_id": ctx.event_id, "event_type": ctx.event_type,
-            "event_created": ctx.created, "account": ctx.account, "livemode": ctx.livemode}
+    registry.handler(MIRROR_PATTERN, writes=[OBJECTS])(ObjectMirror(registry))
 
 
 def read_entitlements_map(path: str | None) -> dict[str, list[str]]:
@@ -76,9 +72,7 @@ def read_entitlements_map(path: str | None) -> dict[str, list[str]]:
 
 
 def apply_customer(ctx: ApplyContext) -> None:
-    row = mapping.customer_row(ctx.object, deleted=ctx.event_type == "customer.deleted")
-    row["metadata"] = Jsonb(row["metadata"])
-    ctx.conn.execute(SQL.customer_upsert_if_newer, _stamp(ctx, row))
+    ctx.rows.upsert(CUSTOMERS, mapping.customer_row(ctx.object, deleted=ctx.event_type == "customer.deleted"))
 
 
 @dataclass(frozen=True)
@@ -93,10 +87,13 @@ class SubscriptionHandler:
 
     def __call__(self, ctx: ApplyContext) -> None:
         row = mapping.subscription_row(ctx.object, self.entitlements_map)
-        before = ctx.conn.execute(SQL.subscription_lock, {"id": row["id"]}).fetchone()
-        ctx.conn.execute(SQL.subscription_apply_event, {**_stamp(ctx, row), "from_status": before and before[0],
-                                                        "transition": True})
-        recompute_entitlements(ctx, row["customer_id"])
+        ctx.rows.upsert(SUBSCRIPTIONS, row)
+        # from_status and applied are the writer's: the row's status before this event, and whether it was newer.
+        ctx.rows.append(TRANSITIONS, {
+            "event_id": ctx.event_id, "event_type": ctx.event_type, "subscription_id": row["id"],
+            "to_status": row["status"], "period_start": row["current_period_start"],
+            "period_end": row["current_period_end"], "event_created": ctx.created, "account": ctx.account})
+        track_entitlements(ctx, row["customer_id"])
 
 
 # Without an entitlements map: what a load without LEDGER_ENTITLEMENTS_MAP registers,
@@ -104,45 +101,34 @@ class SubscriptionHandler:
 apply_subscription = SubscriptionHandler()
 
 
-def recompute_entitlements(ctx: ApplyContext, customer_id: str) -> None:
-    """Derive subscription entitlements from current state: idempotent by construction."""
-    ctx.conn.execute(SQL.entitlements_lock_customer, {"customer_id": customer_id})
-    before = _features_if_announced(ctx, customer_id)
-    derive_entitlements(ctx.conn, customer_id)
-    _announce_if_changed(ctx, customer_id, before)
+def track_entitlements(ctx: ApplyContext, customer_id: str) -> None:
+    """The customer's subscription entitlements derived again from its subscriptions' rows once the batch's
+    writes are known (once per customer per batch), and announced if they changed."""
+    ctx.rows.derive(SUBSCRIPTION_ENTITLEMENTS, customer_id)
+    _announce_changes(ctx, customer_id)
 
 
-def derive_entitlements(conn, customer_id: str) -> None:
-    """The customer's subscription entitlements from its subscriptions' current rows; the caller holds
-    entitlements_lock_customer."""
-    params = {"customer_id": customer_id}
-    conn.execute(SQL.entitlements_revoke_lapsed, params)
-    conn.execute(SQL.entitlements_grant_current, params)
+def _announce_changes(ctx: ApplyContext, customer_id: str) -> None:
+    """entitlements.changed: the customer's whole current set, so a receiver can apply the latest and drop
+    stale ones; only when it has a sender (otherwise the set before is not even read)."""
+    if ENTITLEMENTS_CHANGED not in ctx.enabled_effects:
+        return
+
+    def announce(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> None:
+        features = _features(after)
+        if features != _features(before):
+            ctx.emit(ENTITLEMENTS_CHANGED, {"customer_id": customer_id, "entitlements": features},
+                     key=customer_id, ordering_key=customer_id, if_configured=True)
+    ctx.rows.on_change(ENTITLEMENTS, customer_id, announce)
 
 
-def _features(ctx: ApplyContext, customer_id: str) -> list[str]:
-    return [r[0] for r in ctx.conn.execute(SQL.entitlements_of_customer, {"customer_id": customer_id})]
-
-
-def _features_if_announced(ctx: ApplyContext, customer_id: str) -> list[str] | None:
-    """The set before a change, read only when entitlements.changed has a sender: otherwise
-    nothing would be announced, and these reads were 2 of a subscription event's 11 round trips."""
-    return _features(ctx, customer_id) if ENTITLEMENTS_CHANGED in ctx.enabled_effects else None
-
-
-def _announce_if_changed(ctx: ApplyContext, customer_id: str, before: list[str] | None) -> None:
-    """entitlements.changed: the customer's whole current set, so a receiver can apply the latest and drop stale ones."""
-    if before is None:
-        return  # no sender for entitlements.changed (see _features_if_announced)
-    after = _features(ctx, customer_id)
-    if after != before:
-        ctx.emit(ENTITLEMENTS_CHANGED, {"customer_id": customer_id, "entitlements": after},
-                 key=customer_id, ordering_key=customer_id, if_configured=True)
+def _features(rows: list[dict[str, Any]]) -> list[str]:
+    return sorted({row["feature"] for row in rows})
 
 
 def apply_invoice(ctx: ApplyContext) -> None:
     row = mapping.invoice_row(ctx.object, deleted=ctx.event_type == "invoice.deleted")
-    ctx.conn.execute(SQL.invoice_upsert_if_newer, _stamp(ctx, row))
+    ctx.rows.upsert(INVOICES, row)
     if ctx.event_type == "invoice.payment_failed":
         # A failed payment is news even if a newer invoice state arrived first: notify once per event.
         ctx.emit("invoice.payment_failed", mapping.payment_failed_notice(ctx.object),
@@ -151,23 +137,26 @@ def apply_invoice(ctx: ApplyContext) -> None:
 
 def apply_checkout_session(ctx: ApplyContext) -> None:
     row = mapping.checkout_session_row(ctx.object)
-    stamped = _stamp(ctx, row)
-    ctx.conn.execute(SQL.checkout_session_upsert_if_newer, stamped)
+    ctx.rows.upsert(CHECKOUT_SESSIONS, row)
     if row["customer_id"]:
-        ctx.conn.execute(SQL.customer_insert_stub, {**stamped, "id": row["customer_id"]})
+        link_customer(ctx.rows, row["customer_id"])
+
+
+def link_customer(rows: EventRows, customer_id: str) -> None:
+    """A customer known only by its id (from a Checkout session), of the session's account and mode. Its
+    order key is the lowest there is (NEVER): any customer.* event, even one created before the session
+    and delivered after it, writes the row; of two such links, the newer event's stays."""
+    rows.upsert(CUSTOMERS, {"id": customer_id, "email": None, "name": None, "deleted": False, "metadata": {}},
+                created=NEVER)
 
 
 def apply_entitlement_summary(ctx: ApplyContext) -> None:
     customer_id, features = mapping.entitlement_summary(ctx.object)
-    params = {"customer_id": customer_id, "features": features, "event_id": ctx.event_id,
-              "event_created": ctx.created, "account": ctx.account}
-    ctx.conn.execute(SQL.entitlements_lock_customer, params)
-    if ctx.conn.execute(SQL.entitlement_summary_claim_if_newer, params).fetchone() is None:
-        return  # a newer summary was already applied
-    before = _features_if_announced(ctx, customer_id)
-    ctx.conn.execute(SQL.entitlements_replace_from_stripe, params)
-    ctx.conn.execute(SQL.entitlements_add_from_stripe, params)
-    _announce_if_changed(ctx, customer_id, before)
+    # Stripe's summary is the customer's whole active set; applied only if newer than the last one applied.
+    ctx.rows.replace(ENTITLEMENTS, {"customer_id": customer_id, "source": "stripe"},
+                     [{"feature": feature, "account": ctx.account} for feature in features],
+                     guard=(ENTITLEMENT_SUMMARIES, {"customer_id": customer_id}))
+    _announce_changes(ctx, customer_id)
 
 
 @dataclass(frozen=True, eq=False)
@@ -192,5 +181,4 @@ class ObjectMirror:
             if any(other is not self for other in self.registry.resolve(ctx.event_type)):
                 return
             raise
-        row["data"] = Jsonb(row["data"])
-        ctx.conn.execute(SQL.object_upsert_if_newer, _stamp(ctx, row))
+        ctx.rows.upsert(OBJECTS, row)

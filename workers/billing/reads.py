@@ -1,5 +1,5 @@
 """Reads of the billing tables, for operators: the rows an event wrote (``ledgerctl events show``)
-and the local side of ``reconcile``. Named SQL from workers/billing/reads.sql, beside the writes."""
+and the local side of ``reconcile``. Named SQL from workers/billing/reads.sql."""
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
@@ -7,7 +7,9 @@ from typing import Any, Mapping, Sequence
 from psycopg.rows import dict_row
 
 from ledger.db import ProcessPool
-from workers.billing.handlers import SQL
+from ledger.queries import load
+
+SQL = load("workers.billing")
 
 TYPED_TABLES = ("customers", "subscriptions", "invoices")
 """The typed tables reconcile compares column by column; every other type is the mirror's."""
