@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 PYTHON = os.environ.get("SABOTAGE_PYTHON") or sys.executable
 MODEL = "tests/integration/test_model_ledger.py"
 CHAOS = "tests/e2e/test_chaos.py"
+DIFFERENTIAL = "tests/integration/test_writers_differential.py"
 
 
 @dataclass(frozen=True)
@@ -141,18 +142,37 @@ SABOTAGES = (
         ("tests/unit/test_grouping.py", "tests/unit/test_wakeup.py")),
     Sabotage(
         "non-idempotent-upsert",
-        "subscription upsert overwrites whatever the event: the newer-than guard dropped from "
-        "subscription_apply_event (workers/billing/billing.sql)",
-        (("workers/billing/billing.sql",
-          "     WHERE CASE WHEN billing.same_owner('subscriptions', t.account, EXCLUDED.account, t.livemode, "
-          "EXCLUDED.livemode)\n"
-          "                THEN (t.source_event_created, t.source_event_id)\n"
-          "                   < (EXCLUDED.source_event_created, EXCLUDED.source_event_id) END\n"
-          "    RETURNING id\n), transition AS (",
-          "     WHERE billing.same_owner('subscriptions', t.account, EXCLUDED.account, t.livemode, "
-          "EXCLUDED.livemode)\n"
-          "    RETURNING id\n), transition AS ("),),
-        ("tests/integration/test_billing_ordering.py", "tests/integration/test_billing_idempotency.py")),
+        "every upsert overwrites whatever the event: the newer-than half of the order guard made always true "
+        "(workers/rowsql.py, _guard)",
+        (("workers/rowsql.py",
+          '    newer = sql.SQL("(t.source_event_created, t.source_event_id) "\n'
+          '                    "< (EXCLUDED.source_event_created, EXCLUDED.source_event_id)")',
+          '    newer = sql.SQL("true")'),),
+        ("tests/integration/test_billing_ordering.py", "tests/integration/test_billing_idempotency.py",
+         DIFFERENTIAL)),
+    Sabotage(
+        "reduction-keeps-first-change",
+        "a batch reduced by key keeps the first change of each row instead of the newest (workers/rows.py, plan)",
+        (("workers/rows.py", "            if previous is None or change.order > previous.order:",
+          "            if previous is None:"),),
+        (DIFFERENTIAL,)),
+    Sabotage(
+        "from-status-of-the-batchs-first-row",
+        "a subscription's transitions in a batch all chain from the batch's first row of it: the chain stops "
+        "following the row after its first change (workers/rows.py, plan)",
+        (("workers/rows.py", "                    tracked[key] = change.row",
+          "                    tracked.setdefault(key, change.row)"),),
+        (DIFFERENTIAL,)),
+    Sabotage(
+        "copy-flush-drops-a-table",
+        "a rebuild's slice writer never flushes its written-once table (subscription_transitions) "
+        "(workers/writers.py, SliceWriter.write)",
+        (("workers/writers.py",
+          "        for table, rows in the_plan.once.items():\n"
+          "            written += self._merge(table, self._stage(table, rows))",
+          "        for table, rows in list(the_plan.once.items())[1:]:\n"
+          "            written += self._merge(table, self._stage(table, rows))"),),
+        (DIFFERENTIAL,)),
     Sabotage(
         "received-duplicate-is-done",
         "receiver treats a duplicate of a `received` event as handled: record_delivery asks for a "
@@ -272,18 +292,18 @@ SABOTAGES = (
         "rebuild-sends-effects",
         "a rebuild applies events in the workers' context (workers/reproject.py builds an ApplyContext with the "
         "effects senders are configured for, not a RebuildContext): handlers record their effects again",
-        (("workers/reproject.py", "self.registry.apply(RebuildContext(conn=shadow,",
-          "self.registry.apply(ApplyContext(enabled_effects=frozenset({'invoice.payment_failed', "
-          "'entitlements.changed'}), conn=shadow,"),),
+        (("workers/reproject.py", "    registry.apply(RebuildContext(\n        conn=None,",
+          "    registry.apply(ApplyContext(\n        enabled_effects=frozenset({'invoice.payment_failed', "
+          "'entitlements.changed'}), conn=writer.conn,"),),
         ("tests/integration/test_reproject.py", "tests/e2e/test_reproject_e2e.py")),
     Sabotage(
         "apply-loses-events-processed-meanwhile",
         "an apply switches the rebuilt tables in without the events processed since the rebuild was built "
         "(workers/reproject.py: no catch-up before the lock, none under it)",
         (("workers/reproject.py",
-          "            self._catch_up_until_few(conn, run[\"id\"], \"built\", SHADOW, run[\"tables\"])\n", ""),
+          "            self._catch_up_until_few(conn, run[\"id\"], \"built\", SHADOW)\n", ""),
          ("workers/reproject.py",
-          "                    self._catch_up(conn, run[\"id\"], run[\"state\"], shadow, locked=True)\n", "")),
+          "                    self._catch_up(conn, run[\"id\"], run[\"state\"], catch_up_into, locked=True)\n", "")),
         ("tests/e2e/test_reproject_e2e.py",)),
 )
 

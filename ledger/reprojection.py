@@ -76,14 +76,17 @@ class TableDiff:
     only_live: int = 0
     only_rebuilt: int = 0
     changed: int = 0
+    # Live rows whose source the rebuild could not apply: merged into the rebuilt table, so an apply keeps them.
+    kept: int = 0
     rows: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def total(self) -> int:
-        return self.only_live + self.only_rebuilt + self.changed
+        return self.only_live + self.only_rebuilt + self.changed + self.kept
 
     def counts(self) -> dict[str, int]:
-        return {"only_live": self.only_live, "only_rebuilt": self.only_rebuilt, "changed": self.changed}
+        return {"only_live": self.only_live, "only_rebuilt": self.only_rebuilt, "changed": self.changed,
+                "kept": self.kept}
 
 
 _KEY_NAME = re.compile(r"^[a-z_][a-z0-9_]*$|\(([a-z_][a-z0-9_]*)")
@@ -219,6 +222,14 @@ class ReprojectionLedger:
         return conn.execute(SQL.reprojection_record_catchup,
                             {"id": run_id, "state": state, "cut": cut, "applied": applied}).fetchone() is not None
 
+    def create_kept(self, conn: psycopg.Connection) -> None:
+        conn.execute(SQL.reprojection_create_kept)
+
+    def record_kept(self, conn: psycopg.Connection, table: str, keys: list[list], sources: list[str | None]) -> None:
+        """In the keeping's transaction: these rows of ``table`` (their keys, their sources) are kept."""
+        conn.execute(SQL.reprojection_record_kept, {"table": table, "keys": [Jsonb(k) for k in keys],
+                                                    "sources": sources})
+
     def skip(self, conn: psycopg.Connection, run_id: int, event: StoredEvent, reason: str, detail: str | None) -> None:
         conn.execute(SQL.reprojection_skip, {"id": run_id, "event_id": event.id, "event_type": event.type,
                                              "reason": reason, "detail": detail})
@@ -295,4 +306,15 @@ class ReprojectionLedger:
         key = [_key_name(expr) for expr in keys]
         result = TableDiff(table, key, **{k: rows[0][k] for k in ("only_live", "only_rebuilt", "changed")})
         result.rows = [row_difference(row, key) for row in rows if row["live"] is not None or row["rebuilt"] is not None]
+        counts = self._kept(SQL.reprojection_kept_counts, {})
+        result.kept = next((row["rows"] for row in counts if row["table_name"] == table), 0)
+        kept = self._kept(SQL.reprojection_kept_rows, {"table": table, "limit": max(limit, 0)}) if result.kept else []
+        result.rows += [{"key": dict(zip(key, row["key"])), "kind": "kept", "source": row["source"]} for row in kept]
         return result
+
+    def _kept(self, statement: str, params: dict) -> list[dict]:
+        """What the rebuild kept; nothing for one built before rows were kept (its shadow has no such table)."""
+        try:
+            return run_statement(self._pool, statement, params)
+        except psycopg.errors.UndefinedTable:
+            return []

@@ -178,18 +178,18 @@ class EventProcessor(LeasedWork):
         Records each applied member's result in ``results``; returns the members left for a
         transaction that waits, and those not reached before BATCH_HOLD_S ran out (for the next).
 
-        A round that does not wait is first tried set-based (``_apply_together``); only when that fails
-        is it applied again one savepoint per member, where a member at fault fails alone."""
-        if not wait:
-            together = self._apply_together(members, results)
-            if together is not None:
-                return together
+        A round is first tried set-based (``_apply_together``); only when that fails is it applied again
+        one savepoint per member, where a member at fault fails alone."""
+        together = self._apply_together(members, results, wait=wait)
+        if together is not None:
+            return together
         return self._apply_one_by_one(members, results, wait=wait)
 
-    def _apply_together(self, members: list["_Member"], results: dict) -> tuple[list["_Member"], list["_Member"]] | None:
+    def _apply_together(self, members: list["_Member"], results: dict, *,
+                        wait: bool = False) -> tuple[list["_Member"], list["_Member"]] | None:
         """The round as one set-based transaction (WorkerLedger.applying_together): one fence and one
-        finish for the batch, no savepoint per member; keys taken just before each member and BATCH_HOLD_S
-        as in ``_apply_one_by_one``.
+        finish for the batch, no savepoint per member; keys taken as in ``_apply_one_by_one`` (``wait``:
+        all of the round's at once, in order; else each member's just before it) and BATCH_HOLD_S too.
 
         A member that fails takes the transaction with it, but the failure is known to be its own: it is
         recorded as that member's (its handlers ran once, as in a savepoint of its own) and the others are
@@ -204,6 +204,8 @@ class EventProcessor(LeasedWork):
             with self.ledger.applying_together([member.claim for member in members]) as tx:
                 writer = LiveWriter(tx.connection)
                 opened = time.monotonic()
+                if wait:
+                    tx.lock(set().union(*(member.keys for member in members)))
                 for n, member in enumerate(members):
                     claim = member.claim
                     if claim.event_id not in tx.held:
@@ -212,7 +214,7 @@ class EventProcessor(LeasedWork):
                     if applied and time.monotonic() - opened > BATCH_HOLD_S:
                         not_reached = members[n:]
                         break
-                    if member.keys and not member.keys <= tx.try_lock(member.keys):
+                    if not wait and member.keys and not member.keys <= tx.try_lock(member.keys):
                         deferred.append(member)
                         continue
                     try:
@@ -237,7 +239,7 @@ class EventProcessor(LeasedWork):
                     results.setdefault(member.claim.event_id, _not_applied_in_time(failed.failure))
                 return [], []
             return self._apply_round([member for member in members if member is not failed.member], results,
-                                     wait=False)
+                                     wait=wait)
         except Exception as exc:  # the transaction's own: the members go again, one savepoint each
             metrics.APPLY_FALLBACKS.labels(classify(exc).reason).inc()
             return None

@@ -40,14 +40,17 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import psycopg
+from psycopg.rows import dict_row
 
-from ledger import stripe_events
+from ledger import jsoncodec, stripe_events
 from ledger.reprojection import (BEFORE, SHADOW, ReprojectionError, ReprojectionLedger, StoredEvent, TableDiff,
                                  UnknownTable)
 from workers import thin
 from workers.failures import PermanentError, classify
 from workers.handlers import ApplyContext, HandlerRegistry, Registration, handler_name
-from workers.writers import LiveWriter, MemoryWriter, SliceWriter, Writer
+from workers import rowsql
+from workers.rows import DERIVED_FROM, NEVER, Derivation, Table
+from workers.writers import RENDERED, LiveWriter, MemoryWriter, SliceWriter, Writer
 
 # The modules whose handlers write only billing's tables: the ones a rebuild runs.
 PROJECTED_MODULES = ("workers.billing.handlers",)
@@ -212,6 +215,7 @@ class Reprojection:
             # caught up before the lock, not under it.
             counts = {d.table: d.counts() for d in self.ledger.diff(run["tables"], limit=0)}
             self._catch_up_until_few(conn, run["id"], "built", SHADOW)
+            self._keep(conn, run["id"])  # rows written since the build by no event (an object fetched meanwhile)
             lock_ms = self._switch(conn, run, incoming=SHADOW, aside=BEFORE, catch_up_into=SHADOW,
                                    finish=lambda c: self._applied(c, run, actor, counts, skipped))
             self.ledger.drop_schema(conn, SHADOW)
@@ -265,10 +269,69 @@ class Reprojection:
             except _Cancelled:
                 self.ledger.drop_schema(conn, SHADOW)
                 return self.ledger.get(run_id)
+            self._keep(conn, run_id)
             with conn.transaction():
                 if not self.ledger.built(conn, run_id):
                     raise ReprojectionError(f"rebuild {run_id} stopped building (cancelled)")
         return self.ledger.get(run_id)
+
+    def _keep(self, conn: psycopg.Connection, run_id: int) -> None:
+        """Nothing a rebuild cannot see is lost by its apply: every live row whose source is an event the
+        rebuild did not apply (ledger.reprojection_rebuilt: pruned, removed by retention, a thin notification
+        whose object was not kept, one a handler now refuses, or no event at all: an object fetched from the
+        API) is merged into the shadow under the same order guard as any write, and recorded as kept, which
+        the diff lists. The sets derived from a kept row's table are derived again for its groups; a set
+        replaced under a guard (Stripe's entitlements) takes the live members of a kept guard's scope. One
+        transaction."""
+        tables = self.registry.tables_written()
+        with conn.transaction():
+            self.ledger.create_kept(conn)
+            regroup: dict[Derivation, set] = {}
+            kept: dict[Table, list[dict]] = {}
+            for table in tables:
+                if table.source is None:
+                    continue
+                text = RENDERED.get(("kept", table.name), lambda t=table: rowsql.kept(t, t.schema, SHADOW))
+                rows = conn.cursor(row_factory=dict_row).execute(text, {"run": run_id}).fetchall()
+                if not rows:
+                    continue
+                kept[table] = rows
+                self.ledger.record_kept(conn, table.relation, [[r[c] for c in table.key] for r in rows],
+                                        [r[table.source] for r in rows])
+            for table, rows in kept.items():
+                for derivation in DERIVED_FROM.get(table, ()):
+                    if derivation.table in tables:
+                        found = self._groups(conn, table, derivation.by, rows)
+                        regroup.setdefault(derivation, set()).update(found)
+            for set_table in tables:
+                for guard, rest in set_table.guards:
+                    if guard in kept:
+                        self._copy_scopes(conn, set_table, [{**{c: r[c] for c in guard.key}, **rest}
+                                                            for r in kept[guard]])
+            if regroup:
+                writer = LiveWriter(conn, {"billing": SHADOW})
+                rows_of = writer.rows_for(event_id="reprojection_kept", created=NEVER, account=None, livemode=False)
+                for derivation, groups in regroup.items():
+                    for group in sorted(groups, key=str):
+                        rows_of.derive(derivation, group)
+                writer.flush()
+
+    def _groups(self, conn: psycopg.Connection, table: Table, by: str, rows: list[dict]) -> set:
+        """The groups (``by``'s values) of kept rows of ``table``, read from the shadow where they were kept."""
+        text = RENDERED.get(("kept-groups", table.name, by), lambda: rowsql.read_latest(table, SHADOW))
+        stored = conn.cursor(row_factory=dict_row).execute(
+            text, {"keys": [r[table.key[0]] for r in rows], "groups": []}).fetchall()
+        return {r[by] for r in stored}
+
+    def _copy_scopes(self, conn: psycopg.Connection, table: Table, scopes: list[dict]) -> None:
+        delete, copy = RENDERED.get(("copy-scopes-delete", table.name), lambda: rowsql.copy_scopes(
+            table, table.schema, SHADOW)[0]), RENDERED.get(("copy-scopes", table.name), lambda: rowsql.copy_scopes(
+            table, table.schema, SHADOW)[1])
+        params = {"scopes": jsoncodec.dumps(scopes)}
+        conn.execute(delete, params)
+        rows = conn.cursor(row_factory=dict_row).execute(copy, params).fetchall()
+        if rows:
+            self.ledger.record_kept(conn, table.relation, [[r[c] for c in table.key] for r in rows], [None] * len(rows))
 
     def _build_parts_in_processes(self, run: dict, parts: list[dict]) -> None:
         context = multiprocessing.get_context("fork")

@@ -96,7 +96,12 @@ class Table:
     group: str | None = None
     # A key whose NULL and '' are one row (billing.objects' coalesce(account, '')).
     null_is_empty: frozenset[str] = frozenset()
-    rebuilt: bool = True  # re-projection copies and rebuilds it
+    # The column naming the event a row came from (a LATEST table's source_event_id, by default): a rebuild
+    # keeps a live row whose event it could not apply (workers/reproject.py, "kept").
+    source: str | None = None
+    # A SET table's scopes replaced under a guard: (guard table, the rest of the scope), the guard's key
+    # naming the scope's columns of the same name (entitlements' stripe scope, by entitlement_summaries).
+    guards: tuple[tuple["Table", dict[str, Any]], ...] = ()
 
     def __post_init__(self):
         if self.kind not in (LATEST, ONCE, SET):
@@ -112,6 +117,8 @@ class Table:
             raise ValueError(f"{self.name}: a set table names its scope among its columns")
         object.__setattr__(self, "all_columns", tuple(self.columns) + tuple(c for c in self.stamp
                                                                             if c not in self.columns))
+        if self.source is None and self.kind == LATEST:
+            object.__setattr__(self, "source", "source_event_id")
         object.__setattr__(self, "_needed", frozenset(self.columns) - ({self.chain.before, self.chain.applied}
                                                                       if self.chain else set()))
 
@@ -149,6 +156,14 @@ class Derivation:
     by: str
     scope: Callable[[Any], dict[str, Any]]
     rule: Callable[[Any, list[dict[str, Any]]], list[dict[str, Any]]]
+
+    def __post_init__(self):
+        DERIVED_FROM.setdefault(self.source, []).append(self)
+
+
+# Each table's derivations, by the table they are derived from (what a rebuild derives again when it
+# keeps rows of that table).
+DERIVED_FROM: dict[Table, list[Derivation]] = {}
 
 
 OrderKey = tuple  # (created, event id, sequence in the batch)
@@ -461,9 +476,11 @@ def plan(changes: list[Change], stored: Stored) -> Plan:
             sets.setdefault(derivation.table, {})[scope] = (scope_row, members)
     for table, kept in newest.items():
         tracked = state.get(table)
-        # A tracked key is written only when this batch changed it: its newest change is what it holds now.
-        rows = [change.row for key, change in sorted(kept.items(), key=_by_key)
-                if tracked is None or tracked.get(key) is change.row]
+        if tracked is None:
+            rows = [change.row for _, change in sorted(kept.items(), key=_by_key)]
+        else:  # written only where this batch changed the row: what it holds now
+            before = stored.latest.get(table, {})
+            rows = [tracked[key] for key, _ in sorted(kept.items(), key=_by_key) if tracked[key] is not before.get(key)]
         if rows:
             out.latest[table] = rows
     for table, rows in once.items():

@@ -100,3 +100,30 @@ def read_groups(table: Table, schema: str | None) -> sql.Composed:
     return sql.SQL("SELECT {cols} FROM {rel} WHERE {group} = ANY({groups})").format(
         cols=_columns(table.all_columns), rel=relation(table, schema), group=sql.Identifier(table.group),
         groups=sql.Placeholder("groups"))
+
+
+def kept(table: Table, live: str, shadow: str) -> sql.Composed:
+    """A rebuild's keeping of ``table``'s live rows whose source it did not apply (``%(run)s``'s, by
+    ledger.reprojection_rebuilt), into the shadow: ``write`` from those rows, among the rows the shadow
+    does not hold with the same source. Returns each kept row's key columns and source."""
+    same = sql.SQL(" AND ").join(sql.SQL("x.{c} IS NOT DISTINCT FROM l.{c}").format(c=sql.Identifier(c))
+                                 for c in (*table.key, table.source))
+    rows = sql.SQL("(SELECT l.* FROM {live} AS l WHERE NOT EXISTS (SELECT 1 FROM {shadow} AS x WHERE {same}) "
+                   "AND NOT ledger.reprojection_rebuilt({run}, l.{source}))").format(
+        live=relation(table, live), shadow=relation(table, shadow), same=same, run=sql.Placeholder("run"),
+        source=sql.Identifier(table.source))
+    returned = _columns(dict.fromkeys((*table.key, table.source)))
+    return sql.SQL("{write} RETURNING {returned}").format(write=write(table, shadow, rows), returned=returned)
+
+
+def copy_scopes(table: Table, live: str, shadow: str) -> tuple[sql.Composed, sql.Composed]:
+    """The live rows of some scopes of a set table (``%(scopes)s``, a JSON array of scope rows) in place of
+    the shadow's: the deletion, then the copy (which returns the copied rows' keys)."""
+    scopes = json_source(table, shadow, "scopes")
+    match = sql.SQL(" AND ").join(sql.SQL("t.{c} = s.{c}").format(c=sql.Identifier(c)) for c in table.scope)
+    delete = sql.SQL("DELETE FROM {rel} AS t USING {scopes} AS s WHERE {match}").format(
+        rel=relation(table, shadow), scopes=scopes, match=match)
+    copy = sql.SQL("INSERT INTO {rel} SELECT t.* FROM {live} AS t, {scopes} AS s WHERE {match} "
+                   "RETURNING {key}").format(rel=relation(table, shadow), live=relation(table, live), scopes=scopes,
+                                             match=match, key=_columns(table.key))
+    return delete, copy

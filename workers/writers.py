@@ -133,11 +133,12 @@ class LiveWriter(_SqlWriter):
             params[f"p{len(parts)}"] = _json(value)
             parts.append((op, table))
 
-        for table, rows in the_plan.latest.items():
+        # Tables in one order, whatever order the batch met them in: one statement text per set of tables.
+        for table, rows in sorted(the_plan.latest.items(), key=_by_name):
             add("write", table, rows)
-        for table, rows in the_plan.once.items():
+        for table, rows in sorted(the_plan.once.items(), key=_by_name):
             add("write", table, rows)
-        for table, scopes in the_plan.sets.items():
+        for table, scopes in sorted(the_plan.sets.items(), key=_by_name):
             members = [member for _, rows in scopes.values() for member in rows]
             add("scopes", table, [scope_row for scope_row, _ in scopes.values()])
             add("delete", table, members)
@@ -163,6 +164,10 @@ class LiveWriter(_SqlWriter):
             counts.append(sql.SQL("(SELECT count(*) FROM {name})").format(name=name))
         return sql.SQL("WITH {ctes} SELECT {counts}").format(ctes=sql.SQL(", ").join(ctes),
                                                               counts=sql.SQL(", ").join(counts))
+
+
+def _by_name(item: tuple[Table, Any]) -> str:
+    return item[0].name
 
 
 class SliceWriter(_SqlWriter):

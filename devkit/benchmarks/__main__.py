@@ -155,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run git revision REV's product (receiver, workers, sweep, migrations) under this "
                              "harness, in the same run: steady takes turns per level, any other scenario runs once "
                              "per revision; tables show both and the ratio current/REV")
+    parser.add_argument("--floor", metavar="REV", nargs="?", const="HEAD",
+                        help="steady: also run a floor, commit REV's product (default: HEAD's committed tree, "
+                             "not the working tree's uncommitted changes) with one '*' handler that writes "
+                             "nothing in place of the built-in handlers, taking turns per level with this "
+                             "checkout (and --compare's REV); reports the business writes' CPU and statements "
+                             "per event as this checkout's minus the floor's. Other scenarios run without it")
     args = parser.parse_args(argv)
     if args.render:
         from .docs import write
@@ -171,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.scenario:
         parser.error("name a scenario, or all")
-    if args.steady_payload != "snapshot" and args.compare:
-        parser.error("--payload thin|both measures this checkout only: it cannot be combined with --compare")
+    for flag, given in (("--compare", args.compare), ("--floor", args.floor)):
+        if args.steady_payload != "snapshot" and given:
+            parser.error(f"--payload thin|both measures this checkout only: it cannot be combined with {flag}")
 
     out = args.out or Path(tempfile.mkdtemp(prefix="ledger-bench-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -185,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                         steady_events=args.steady_events, steady_payload=args.steady_payload,
                         thin_snapshot_twin=args.thin_snapshot_twin, thin_latency_ms=args.thin_latency_ms,
                         fetch_concurrency=args.fetch_concurrency,
-                        compare=args.compare, brokers=brokers.choices(args.broker), peer=args.peer,
+                        compare=args.compare, floor=args.floor, brokers=brokers.choices(args.broker), peer=args.peer,
                         receiver_cost_requests=args.receiver_cost_requests)
     names = list(ALL) if args.scenario == "all" else [n.strip() for n in args.scenario.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
@@ -246,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         if baseline is not None:
             meta["compared"] = {"label": baseline.label, "commit": baseline.revision.commit}
             bench.results["compared"] = {k: v for k, v in baseline.results.items() if not k.startswith("_")}
+        floor = next((s.revision for s in bench.sides if s.revision.floor), None)
+        if floor is not None:
+            meta["floor"] = {"label": floor.label, "commit": floor.commit}
         bench.results["meta"] = meta
         bench.results["summaries"] = summaries
         bench.results["peak_rss_mb"] = bench.peak_rss

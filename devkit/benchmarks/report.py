@@ -202,7 +202,12 @@ def steady_sides(result: dict[str, Any], broker: str | None = None) -> tuple[dic
     """(the current revision's runs, the compared revision's or None), on ``broker`` (default: the first)."""
     revs = steady_revisions(result, broker)
     current = next(r for r in revs if r["commit"] is None)
-    return current, next((r for r in revs if r["commit"] is not None), None)
+    return current, next((r for r in revs if r["commit"] is not None and not r.get("floor")), None)
+
+
+def steady_floor(result: dict[str, Any], broker: str | None = None) -> dict[str, Any] | None:
+    """The floor's runs (--floor: handlers that write nothing) on ``broker``, or None."""
+    return next((r for r in steady_revisions(result, broker) if r.get("floor")), None)
 
 
 def steady_peer(result: dict[str, Any]) -> dict[int, dict[str, Any]]:
@@ -540,6 +545,50 @@ def steady_peer_table(result: dict[str, Any], *, markdown: bool = False) -> str:
     return (md_table if markdown else table)(rows, _cells(rows))
 
 
+# What the business writes may cost, CPU ms per processed event at every level: the current revision's
+# total minus the floor's (--floor), the two measured in turns in the same run.
+BUSINESS_WRITES_TARGET_MS = 0.4
+
+
+def business_writes(result: dict[str, Any]) -> dict[str, Any]:
+    """Per broker and level, the current revision's cost per event, the floor's, and the difference:
+    what the handlers' writes cost, since the floor runs everything else (empty without --floor)."""
+    out: dict[str, Any] = {"floor": None, "target_ms": BUSINESS_WRITES_TARGET_MS, "brokers": {}}
+    for broker in steady_brokers(result):
+        floor = steady_floor(result, broker)
+        if floor is None:
+            continue
+        out["floor"] = floor["label"]
+        base = _by_level(floor)
+        rows = []
+        for c, run in _by_level(steady_sides(result, broker)[0]).items():
+            if c not in base:
+                continue
+            f = base[c]
+            total = run["cpu_ms_total"] - f["cpu_ms_total"]
+            rows.append({"concurrency": c, "cpu_ms_total": total,
+                         "cpu_ms": {g: group_cpu(run, g) - group_cpu(f, g) for g in STEADY_CPU_GROUPS},
+                         "current_cpu_ms_total": run["cpu_ms_total"], "floor_cpu_ms_total": f["cpu_ms_total"],
+                         "current_statements_per_event": run["statements_per_event"],
+                         "floor_statements_per_event": f["statements_per_event"],
+                         "statements_per_event": run["statements_per_event"] - f["statements_per_event"],
+                         "met": total <= BUSINESS_WRITES_TARGET_MS})
+        out["brokers"][broker] = rows
+    return out
+
+
+def business_writes_table(rows: list[dict[str, Any]], *, markdown: bool = False) -> str:
+    cells = [{"c": str(r["concurrency"]), "current CPU": f"{r['current_cpu_ms_total']:.2f}",
+              "floor CPU": f"{r['floor_cpu_ms_total']:.2f}",
+              "business writes CPU": f"{r['cpu_ms_total']:.2f} (target ≤ {BUSINESS_WRITES_TARGET_MS}: "
+                                     f"{_met(r['met'])})",
+              **{g: f"{v:.2f}" for g, v in r["cpu_ms"].items()},
+              "statements/event current": f"{r['current_statements_per_event']:.2f}",
+              "floor": f"{r['floor_statements_per_event']:.2f}",
+              "difference": f"{r['statements_per_event']:.2f}"} for r in rows]
+    return (md_table if markdown else table)(cells, _cells(cells))
+
+
 def steady_summary(result: dict[str, Any]) -> tuple[str, str]:
     on = steady_brokers(result)
     first = on[0]
@@ -594,6 +643,30 @@ def steady_summary(result: dict[str, Any]) -> tuple[str, str]:
             if c in base:
                 values[f"e2e_ratio_c{c}"] = steady_e2e_ratio(r, base[c])
                 values[f"cpu_ratio_c{c}"] = r["cpu_ms_total"] / base[c]["cpu_ms_total"] if base[c]["cpu_ms_total"] else 0
+    writes = business_writes(result)
+    if writes["floor"]:
+        floor = writes["floor"]
+        values["floor"] = floor
+        for broker, rows in writes["brokers"].items():
+            name = BROKER_LABELS.get(broker, broker)
+            prefix = "" if broker == first else f"{broker}_"
+            parts.append(f"{floor} (the floor: this commit's product with one handler, which writes nothing) "
+                         f"on {name}\n{steady_table(result, label=floor, broker=broker)}")
+            parts.append(f"business writes (current − {floor}, same run) on {name}: CPU ms per processed event, "
+                         f"in all and per process type; statements per event\n{business_writes_table(rows)}\n"
+                         f"target: business writes ≤ {BUSINESS_WRITES_TARGET_MS} ms CPU per event at every level: "
+                         + ", ".join(f"c={r['concurrency']}: {r['cpu_ms_total']:.2f}" for r in rows)
+                         + f" -> {_met(bool(rows) and all(r['met'] for r in rows))}")
+            for r in rows:
+                c = r["concurrency"]
+                values.update({f"{prefix}business_cpu_ms_c{c}": r["cpu_ms_total"],
+                               f"{prefix}floor_cpu_ms_c{c}": r["floor_cpu_ms_total"],
+                               f"{prefix}statements_c{c}": r["current_statements_per_event"],
+                               f"{prefix}floor_statements_c{c}": r["floor_statements_per_event"]})
+                if broker == first:
+                    values.update({f"business_cpu_ms_{g.replace(' ', '_')}_c{c}": v for g, v in r["cpu_ms"].items()})
+            values[f"{prefix}business_writes_{str(BUSINESS_WRITES_TARGET_MS).replace('.', '_')}ms"] = (
+                "met" if rows and all(r["met"] for r in rows) else "not_met")
     payload_runs = steady_payload_runs(result)
     if "thin" in payload_runs:
         if "snapshot" in payload_runs:

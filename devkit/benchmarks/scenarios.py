@@ -94,6 +94,9 @@ class Options:
     fetch_concurrency: int | None = None
     # --compare REV: that revision's product measured beside this checkout's (revisions.py).
     compare: str | None = None
+    # --floor [REV]: that commit's product with handlers that write nothing, beside this checkout's in
+    # steady (revisions.py); None: not measured.
+    floor: str | None = None
     # --broker: the brokers the stack runs on (brokers.py), the first one for every scenario; steady
     # and drain run once per broker.
     brokers: tuple[str, ...] = ("redis",)
@@ -145,9 +148,10 @@ class Side:
 class Bench:
     """The run: private servers, the receiver, worker fleets, and the results so far.
 
-    Each revision measured (this checkout; with ``--compare``, an older one as well) is a
-    ``Side`` with a database of its own on the same private server; ``db``, ``env``,
-    ``settings`` and ``results`` are the active side's (``using``).
+    Each revision measured (this checkout; with ``--compare``, an older one as well; with
+    ``--floor``, the floor, which steady alone runs) is a ``Side`` with a database of its own on
+    the same private server; ``db``, ``env``, ``settings`` and ``results`` are the active side's
+    (``using``).
     """
 
     def __init__(self, opts: Options):
@@ -175,6 +179,7 @@ class Bench:
                                "manage it (Debian: apt-get install rabbitmq-server)")
         if self.opts.compare:  # first: a revision that cannot be installed fails the run before anything starts
             baseline = revisions.prepare(self.opts.compare, self.work, self.cleanup, log)
+        floor = revisions.prepare(self.opts.floor, self.work, self.cleanup, log, floor=True) if self.opts.floor else None
         log("starting a private PostgreSQL and Redis")
         self.pg = bench_postgres()
         self.cleanup.add("private postgres", self.pg.destroy)
@@ -191,6 +196,10 @@ class Bench:
             log(f"migrating the database of {baseline.label} with its own ledgerctl migrate")
             self.sides.append(self._side(baseline, f"ledger_bench_{baseline.label}",
                                          lambda url: baseline.migrate(url, self.redis.url)))
+        if floor is not None:
+            log(f"migrating the database of {floor.label} with its own ledgerctl migrate")
+            self.sides.append(self._side(floor, f"ledger_bench_floor_{floor.commit[:7]}",
+                                         lambda url: floor.migrate(url, self.redis.url)))
         self.side = self._side(revisions.current(), "ledger_bench", migrate)
         self.sides.append(self.side)
         self._set_broker(self.broker)
@@ -300,7 +309,7 @@ class Bench:
     @property
     def baseline(self) -> Side | None:
         """The older revision of ``--compare``, if any."""
-        return next((s for s in self.sides if not s.revision.current), None)
+        return next((s for s in self.sides if not s.revision.current and not s.revision.floor), None)
 
     @property
     def db(self) -> BenchDatabase:
@@ -1266,9 +1275,9 @@ def steady(b: Bench) -> dict[str, Any]:
     beside Stripe's sync engine fed the same stream.
 
     Per level, the same events (and warm-up) for every run: each broker (--broker), each revision
-    (--compare: the older one and this checkout), each payload (--payload both: snapshot events and
-    their thin twins), then the sync engine (--no-peer: not); so that drift of the shared machine
-    hits all alike. Each revision's ``runs`` are its levels of the first payload; ``payload_runs``
+    (--compare: the older one; --floor: the floor; and this checkout), each payload (--payload both:
+    snapshot events and their thin twins), then the sync engine (--no-peer: not); so that drift of
+    the shared machine hits all alike. Each revision's ``runs`` are its levels of the first payload; ``payload_runs``
     all of them; ``revisions`` are the first broker's, ``brokers`` holds each broker's.
     """
     opts = b.opts
@@ -1302,23 +1311,26 @@ def steady(b: Bench) -> dict[str, Any]:
     thin_sample = payloads.thin_load(json.loads(e.body) for e in sample).notifications
 
     def revisions_on(broker: str) -> list[dict[str, Any]]:
-        return [{"label": s.label, "commit": s.revision.commit, "runs": runs[broker][s.label][kinds[0]],
-                 "payload_runs": runs[broker][s.label]} for s in b.sides]
+        return [{"label": s.label, "commit": s.revision.commit, "floor": s.revision.floor,
+                 "runs": runs[broker][s.label][kinds[0]], "payload_runs": runs[broker][s.label]} for s in b.sides]
 
     first = opts.brokers[0]
-    return {"levels": list(opts.steady_levels), "events_per_level": opts.steady_events,
-            "redelivery_share": STEADY_REDELIVERY_SHARE, "api_version": payloads.BASIL_API,
-            "payload": payloads.size_stats(e.body for e in sample),
-            "payloads": list(kinds), "thin_snapshot_twin": opts.thin_snapshot_twin, "thin_payload": payloads.size_stats(payloads.body(n) for n in thin_sample),
-            "receiver_server": opts.receiver_server, "receiver_workers": opts.receiver_workers,
-            "receiver_threads": opts.receiver_threads,
-            "workers": 2, "worker_concurrency": 2,
-            "loadgen": "wrk 4 (1 thread, pre-signed requests replayed by a Lua script)",
-            "broker": first, "revisions": revisions_on(first),
-            "brokers": {br: {"revisions": revisions_on(br)} for br in opts.brokers},
-            "peer": {"package": peer.PACKAGE_SPEC, "node": peer.node_version(), "pool_max": peer.POOL_MAX,
-                     "settings": peer.SETTINGS.format(node=peer.node_version()), "runs": peer_runs}
-            if with_peer else None}
+    result = {"levels": list(opts.steady_levels), "events_per_level": opts.steady_events,
+              "redelivery_share": STEADY_REDELIVERY_SHARE, "api_version": payloads.BASIL_API,
+              "payload": payloads.size_stats(e.body for e in sample),
+              "payloads": list(kinds), "thin_snapshot_twin": opts.thin_snapshot_twin, "thin_payload": payloads.size_stats(payloads.body(n) for n in thin_sample),
+              "receiver_server": opts.receiver_server, "receiver_workers": opts.receiver_workers,
+              "receiver_threads": opts.receiver_threads,
+              "workers": 2, "worker_concurrency": 2,
+              "loadgen": "wrk 4 (1 thread, pre-signed requests replayed by a Lua script)",
+              "broker": first, "revisions": revisions_on(first),
+              "brokers": {br: {"revisions": revisions_on(br)} for br in opts.brokers},
+              "peer": {"package": peer.PACKAGE_SPEC, "node": peer.node_version(), "pool_max": peer.POOL_MAX,
+                       "settings": peer.SETTINGS.format(node=peer.node_version()), "runs": peer_runs}
+              if with_peer else None}
+    if any(s.revision.floor for s in b.sides):
+        result["business_writes"] = report.business_writes(result)
+    return result
 
 
 # -- scale --------------------------------------------------------------------------------------

@@ -107,6 +107,24 @@ class _RecordingConnection:
         return self
 
 
+class _WriterConnection(_RecordingConnection):
+    """The batch writer's view of a recording connection: its statements recorded there, and the row
+    counts it reads back after writing empty (the handlers' own reads keep finding no row)."""
+
+    def __init__(self, recording: _RecordingConnection):
+        self.calls = recording.calls
+
+    def execute(self, sql, params=None, **_):
+        self.calls.append((str(sql), params))
+        return self
+
+    def fetchone(self):
+        return ()
+
+    def fetchall(self):
+        return []
+
+
 _REGISTRY = None
 
 
@@ -114,23 +132,29 @@ def _handler_calls(evt: dict[str, Any]) -> list[tuple[str, Any]]:
     """The statements (and parameters) the registered handlers send for this event.
 
     Runs the real handler registry (built-in billing handlers, as a worker loads
-    them) against a recording connection whose queries return no rows; so the
+    them) against a recording connection whose queries return no rows, their rows
+    through the worker's own batch writer (a batch of this one event); so the
     drain's pgbench script follows whatever the handlers do today.
     """
     global _REGISTRY
     from workers.registry import ApplyContext, load_handlers
+    from workers.writers import LiveWriter
 
     if _REGISTRY is None:
         _REGISTRY = load_handlers(Settings())
     conn = _RecordingConnection()
-    context = ApplyContext(conn=conn, event_id=evt["id"], event_type=evt["type"],
-                           created=datetime.fromtimestamp(evt["created"], tz=timezone.utc),
-                           livemode=evt["livemode"], account=evt.get("account"), event=evt, attempt=1)
+    writer = LiveWriter(_WriterConnection(conn))
+    created = datetime.fromtimestamp(evt["created"], tz=timezone.utc)
+    context = ApplyContext(conn=conn, event_id=evt["id"], event_type=evt["type"], created=created,
+                           livemode=evt["livemode"], account=evt.get("account"), event=evt, attempt=1,
+                           rows=writer.rows_for(event_id=evt["id"], created=created, account=evt.get("account"),
+                                                livemode=evt["livemode"]))
     handlers = _REGISTRY.resolve(evt["type"])
     if not handlers:
         raise ValueError(f"no handler for {evt['type']}: a drain backlog must hold handled events")
     for handle in handlers:
         handle(context)
+    writer.flush()
     return conn.calls
 
 

@@ -67,3 +67,22 @@ BEGIN
     RETURN made;
 END
 $$;
+
+-- Whether a rebuild applied the event a row names as its source (its source_event_id, or a
+-- transition's event_id): an event of the ledger, processed, that the rebuild did not list as
+-- skipped; or the snapshot event of the same change as such a thin notification (the rows of
+-- one carry the other's id). A row whose source it did not apply (the event pruned, removed by
+-- retention, a thin notification from before the ledger kept its object, one a handler now
+-- refuses, or no event at all: an object fetched from the API) is kept through an apply
+-- (workers/reproject.py): a rebuild cannot see what wrote it.
+CREATE OR REPLACE FUNCTION ledger.reprojection_rebuilt(run bigint, source text) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (SELECT 1 FROM ledger.events e
+                    WHERE e.id = source AND e.status = 'processed'
+                      AND NOT EXISTS (SELECT 1 FROM ledger.reprojection_skips k
+                                       WHERE k.reprojection_id = run AND k.event_id = e.id))
+        OR EXISTS (SELECT 1 FROM ledger.snapshot_twins t JOIN ledger.events e ON e.id = t.event_id
+                    WHERE t.snapshot_event_id = source AND e.status = 'processed'
+                      AND NOT EXISTS (SELECT 1 FROM ledger.reprojection_skips k
+                                       WHERE k.reprojection_id = run AND k.event_id = e.id))
+$$;

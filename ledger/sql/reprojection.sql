@@ -59,6 +59,29 @@ SELECT part, row_number() OVER (PARTITION BY part ORDER BY stripe_created, id), 
                AS part, id, stripe_created
           FROM ledger.events WHERE status = 'processed') e
 
+-- name: reprojection_create_kept
+-- The live rows a rebuild keeps (their source is an event it did not apply: see
+-- ledger.reprojection_rebuilt), by table and key, merged into the shadow; what the diff lists
+-- as kept. In the shadow schema: never switched in.
+CREATE TABLE IF NOT EXISTS billing_rebuild.reprojection_kept (
+    table_name text  NOT NULL,
+    key        jsonb NOT NULL,
+    source     text,
+    PRIMARY KEY (table_name, key)
+)
+
+-- name: reprojection_record_kept
+INSERT INTO billing_rebuild.reprojection_kept (table_name, key, source)
+SELECT %(table)s, k.key, k.source FROM unnest(%(keys)s::jsonb[], %(sources)s::text[]) AS k(key, source)
+ON CONFLICT (table_name, key) DO UPDATE SET source = EXCLUDED.source
+
+-- name: reprojection_kept_counts
+SELECT table_name, count(*) AS rows FROM billing_rebuild.reprojection_kept GROUP BY table_name
+
+-- name: reprojection_kept_rows
+SELECT key, source FROM billing_rebuild.reprojection_kept WHERE table_name = %(table)s ORDER BY key::text
+ LIMIT %(limit)s
+
 -- name: reprojection_create_parts
 INSERT INTO ledger.reprojection_parts (reprojection_id, part, total)
 SELECT %(id)s, part, count(*) FROM billing_rebuild.reprojection_queue GROUP BY part

@@ -547,10 +547,12 @@ def test_a_deadlock_victim_leaves_its_later_batch_mates_working_once_statements_
     now = int(time.time())
 
     def batch(name, first, second):
-        mates = lambda where: [event("batch.txid", {"id": f"obj_{name}_{where}_{n}"}, created=now) for n in range(6)]
-        lockers = [event("batch.lock", {"id": f"obj_{name}_{n}", "lock_id": lock_id, "sleep_s": 0.5}, created=now)
-                   for n, lock_id in ((1, first), (2, second))]
-        return kit.record_many([*mates("before"), *lockers, *mates("after")])
+        # Created in the order given: a batch applies its members in Stripe's order.
+        mates = lambda where, at: [event("batch.txid", {"id": f"obj_{name}_{where}_{n}"}, created=at)
+                                   for n in range(6)]
+        lockers = [event("batch.lock", {"id": f"obj_{name}_{n}", "lock_id": lock_id, "sleep_s": 0.5},
+                         created=now + n) for n, lock_id in ((1, first), (2, second))]
+        return kit.record_many([*mates("before", now), *lockers, *mates("after", now + 3)])
 
     batches = {"a": batch("a", 1, 2), "b": batch("b", 2, 1)}
     outcomes = batches_at_once(kit, batches)

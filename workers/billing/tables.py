@@ -50,7 +50,7 @@ ENTITLEMENT_SUMMARIES = Table("billing.entitlement_summaries", LATEST, key=("cus
 # subscriptions, source 'stripe' Stripe's active entitlement summary. A set per (customer, source).
 ENTITLEMENTS = Table("billing.entitlements", SET, key=("customer_id", "feature", "source"),
                      columns=("customer_id", "feature", "source", "account"), scope=("customer_id", "source"),
-                     group="customer_id")
+                     group="customer_id", guards=((ENTITLEMENT_SUMMARIES, {"source": "stripe"}),))
 
 # One row per subscription event: the business history, written once per event id. from_status is the
 # subscription's status before the event's upsert, applied whether that upsert was newer.
@@ -58,7 +58,8 @@ TRANSITIONS = Table(
     "billing.subscription_transitions", ONCE, key=("event_id",),
     columns=("event_id", "event_type", "subscription_id", "from_status", "to_status", "period_start", "period_end",
              "applied", "event_created", "account"),
-    chain=Chain(SUBSCRIPTIONS, ref="subscription_id", column="status", before="from_status", applied="applied"))
+    chain=Chain(SUBSCRIPTIONS, ref="subscription_id", column="status", before="from_status", applied="applied"),
+    source="event_id")
 
 GRANTING = ("active", "trialing")
 
