@@ -366,6 +366,11 @@ class SetApplyTransaction(ApplyTransaction):
         self._settings_changed = True
         self._applied.append(claim)
 
+    def withdraw(self, claim: Claim) -> None:
+        """A member applied whose rows will not be written in this transaction after all (its objects are
+        another's now): it is not finished by it, and goes in a later one."""
+        self._applied.remove(claim)
+
     @property
     def broken(self) -> bool:
         """The connection is gone: whatever failed is the transaction's, no one member's."""

@@ -14,6 +14,7 @@ from typing import Any, Iterator, Mapping
 import psycopg
 from psycopg_pool import ConnectionPool
 
+from ledger import jsoncodec
 from ledger.config import Settings
 
 
@@ -112,6 +113,8 @@ class ProcessPool:
             kwargs={"autocommit": True, "connect_timeout": max(1, int(self._settings.db_pool_timeout_s)),
                     "options": options, **guards},
             name=self._name,
+            # A claim reads each event's payload: orjson where it reads the same values (ledger/jsoncodec.py).
+            configure=jsoncodec.use,
             # The default backs off reconnecting for up to 5 minutes: after an
             # outage the receiver would keep answering 503 long after Postgres is back.
             reconnect_timeout=5,

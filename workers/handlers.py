@@ -9,6 +9,7 @@ loads. How to write and load a handler module: see workers.registry.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -34,12 +35,12 @@ def object_keys(event: Mapping[str, Any]) -> set[str]:
     before any write (ledger/sql/objects.sql); a handler writing a row keyed by anything else
     is left to Postgres' deadlock detection."""
     data = event.get("data")
-    obj = data.get("object") if isinstance(data, Mapping) else None
-    if not isinstance(obj, Mapping):
+    obj = data.get("object") if isinstance(data, dict) else None
+    if not isinstance(obj, dict):
         return set()
     keys = set()
     for value in (obj.get("id"), *(obj.get(name) for name in _RELATED_OBJECTS)):
-        if isinstance(value, Mapping):
+        if isinstance(value, dict):
             value = value.get("id")
         if isinstance(value, str) and value:
             keys.add(value)
@@ -124,7 +125,11 @@ class ApplyContext:
         """
         if if_configured and effect not in self.enabled_effects:
             return None
-        # On the connection itself: an effect does not need the batch's rows written before it.
+        if self.rows is not None:
+            # What the batch recorded so far is written first, its objects locked: an effect is never
+            # recorded in a transaction that would not apply its event (a batch defers an event whose
+            # objects another transaction holds).
+            self.rows.flush()
         outbox_id = record(self._raw, idempotency_key=":".join(p for p in (self.event_id, effect, key) if p),
                            effect=effect, event_id=self.ledger_event_id or self.event_id,
                            ordering_key=ordering_key, payload=payload)
@@ -153,6 +158,7 @@ class Registration(NamedTuple):
 _DECLARED = "__ledger_handlers__"
 
 
+@functools.lru_cache(maxsize=1024)
 def alternatives(requirement: Requirement) -> tuple[str, ...]:
     """The paths of a requirement, checked: each one a dotted path of non-empty keys."""
     paths = (requirement,) if isinstance(requirement, str) else (
@@ -169,11 +175,16 @@ def describe(requirement: Requirement) -> str:
 
 def value_at(data: Any, path: str) -> Any:
     """The value at a dotted path (each key into a mapping), or None where the path does not lead."""
-    for key in path.split("."):
-        if not isinstance(data, Mapping):
+    for key in _keys(path):
+        if not isinstance(data, dict):  # parsed JSON: a dict, never another Mapping
             return None
         data = data.get(key)
     return data
+
+
+@functools.lru_cache(maxsize=1024)
+def _keys(path: str) -> tuple[str, ...]:
+    return tuple(path.split("."))
 
 
 def is_present(data: Any, path: str) -> bool:

@@ -31,7 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import psycopg
 
@@ -188,15 +188,21 @@ class EventProcessor(LeasedWork):
     def _apply_together(self, members: list["_Member"], results: dict, *,
                         wait: bool = False) -> tuple[list["_Member"], list["_Member"]] | None:
         """The round as one set-based transaction (WorkerLedger.applying_together): one fence and one
-        finish for the batch, no savepoint per member; keys taken as in ``_apply_one_by_one`` (``wait``:
-        all of the round's at once, in order; else each member's just before it) and BATCH_HOLD_S too.
+        finish for the batch, no savepoint per member, BATCH_HOLD_S as in ``_apply_one_by_one``.
+
+        Object keys (``wait``: all of the round's at once, in order, first). Otherwise every member's
+        handlers run first, recording rows and touching no object; then, just before anything is written
+        (the batch's rows, a handler's own SQL, an effect), one statement takes the keys of every member
+        run since the last write, without waiting (``_KeysBeforeWrites``). A member whose keys another
+        transaction holds is not written: its rows are forgotten and it goes in a later transaction that
+        waits. So a handler never runs holding a key, and a batch pays one statement for its keys.
 
         A member that fails takes the transaction with it, but the failure is known to be its own: it is
         recorded as that member's (its handlers ran once, as in a savepoint of its own) and the others are
         applied again, together. Past the task's soft time limit nothing is applied again: every member
         gets the time limit's failure. A failure that is no member's (the finish, the COMMIT, a broken
         connection) returns None: nothing of it committed, and the caller applies the members one by one."""
-        applied: list[tuple[Claim, ApplyContext]] = []
+        applied: dict[str, tuple[Claim, ApplyContext]] = {}
         deferred: list[_Member] = []
         not_reached: list[_Member] = []
         lost: dict[str, LeaseLost] = {}
@@ -206,6 +212,9 @@ class EventProcessor(LeasedWork):
                 opened = time.monotonic()
                 if wait:
                     tx.lock(set().union(*(member.keys for member in members)))
+                else:
+                    gate = _KeysBeforeWrites(tx, writer, on_deferred=lambda m: (
+                        deferred.append(m), applied.pop(m.claim.event_id, None)))
                 for n, member in enumerate(members):
                     claim = member.claim
                     if claim.event_id not in tx.held:
@@ -214,19 +223,22 @@ class EventProcessor(LeasedWork):
                     if applied and time.monotonic() - opened > BATCH_HOLD_S:
                         not_reached = members[n:]
                         break
-                    if not wait and member.keys and not member.keys <= tx.try_lock(member.keys):
-                        deferred.append(member)
-                        continue
+                    if not wait:
+                        gate.running(member)
                     try:
                         with tx.member(claim) as conn:
                             # By the claim: a thin one's context has its twin's id.
-                            applied.append((claim, self._run_handlers(conn, claim, member.event, writer)))
+                            applied[claim.event_id] = (claim, self._run_handlers(conn, claim, member.event, writer))
+                    except _NotNow:
+                        continue  # its keys are another transaction's: it waits for them in a later one
                     except Exception as exc:
                         failure = classify(exc)  # classified where caught
                         # A terminated backend's FATAL can arrive before psycopg has seen the connection close.
                         if tx.broken or failure.reason in SESSION_LOST:
                             raise
                         raise _MemberFailed(member, failure) from exc
+                    if not wait:
+                        gate.ran(member)
                 # Every member's rows in one go; a failure here is no one member's (the caller applies
                 # them again, each in a savepoint of its own, where one at fault fails alone).
                 writer.flush()
@@ -244,7 +256,7 @@ class EventProcessor(LeasedWork):
             metrics.APPLY_FALLBACKS.labels(classify(exc).reason).inc()
             return None
         results.update(lost)
-        self._committed(applied, results)
+        self._committed(list(applied.values()), results)
         return deferred, not_reached
 
     def _apply_one_by_one(self, members: list["_Member"], results: dict, *,
@@ -422,6 +434,62 @@ def _transaction_failure(exc: Exception, *, lone: bool) -> Failure:
 def _not_applied_in_time(out_of_time: Failure) -> Failure:
     """The failure of a member the batch did not apply before the task's soft time limit (recoverable)."""
     return dataclasses.replace(out_of_time, message="the batch reached its time limit before this event was applied")
+
+
+class _NotNow(BaseException):
+    """The member whose handler is running cannot be written in this transaction (its keys are another's):
+    raised out of its handler's first SQL or effect, before either runs. A BaseException, so that a
+    handler's ``except Exception`` does not keep it from going to a later transaction."""
+
+
+class _KeysBeforeWrites:
+    """The object keys of a set-based round's members, taken just before anything of theirs is written
+    (the writer's ``before_write``): every member run since the last write, in one try-lock statement.
+    A member that did not get all its keys is deferred: its rows forgotten, its finish withdrawn; the
+    member whose handler is running (one that reached for ``ctx.conn`` or ``emit``) gets _NotNow once
+    the others' rows are written."""
+
+    def __init__(self, tx: ApplyTransaction, writer: LiveWriter, *, on_deferred: Callable[["_Member"], Any]):
+        self._tx = tx
+        self._writer = writer
+        self._on_deferred = on_deferred
+        self._pending: list[tuple[_Member, int]] = []  # run since the last write, where their changes start
+        self._current: tuple[_Member, int] | None = None
+        self._stopped: _Member | None = None
+        writer.before_write = self._take_keys
+        writer.after_write = self._stop_current
+
+    def running(self, member: "_Member") -> None:
+        self._current = (member, self._writer.changes.mark()[0])
+
+    def ran(self, member: "_Member") -> None:
+        self._pending.append(self._current)
+        self._current = None
+
+    def _take_keys(self) -> None:
+        members = self._pending + ([self._current] if self._current else [])
+        wanted = set().union(*(member.keys for member, _ in members))
+        held = self._tx.try_lock(wanted) if wanted else set()
+        spans, ends = [], [start for _, start in members[1:]] + [len(self._writer.changes.items)]
+        for (member, start), end in zip(members, ends):
+            if not member.keys <= held:
+                spans.append((start, end))
+                if self._current is not None and member is self._current[0]:
+                    self._stopped = member
+                else:
+                    self._tx.withdraw(member.claim)
+                    self._on_deferred(member)
+        if spans:
+            self._writer.changes.drop(spans)
+        self._pending = []
+        if self._current is not None:  # this flush writes what it recorded so far: the rest starts anew
+            self._current = (self._current[0], 0)
+
+    def _stop_current(self) -> None:
+        if self._stopped is not None:
+            member, self._stopped, self._current = self._stopped, None, None
+            self._on_deferred(member)
+            raise _NotNow()
 
 
 class _MemberFailed(Exception):

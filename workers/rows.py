@@ -251,6 +251,18 @@ class Changes:
             del self._owners[key]
         del self._owner_log[owners:]
 
+    def drop(self, spans: list[tuple[int, int]]) -> None:
+        """Forget the changes of these spans of ``items`` (events whose rows will not be written now)."""
+        gone = set()
+        for start, end in spans:
+            gone.update(range(start, end))
+        self.items = [change for n, change in enumerate(self.items) if n not in gone]
+        self._owners.clear()
+        self._owner_log.clear()
+        for change in self.items:
+            if isinstance(change, _Upsert) and change.table.owner:
+                self.owner_seen(change.table, change.key, tuple(change.row[c] for c in change.table.owner))
+
     def take(self) -> list[Change]:
         items, self.items = self.items, []
         self._owners.clear()
@@ -278,10 +290,14 @@ class EventRows:
         if table.kind != LATEST:
             raise TypeError(f"upsert writes a latest-row table, and {table.name} is {table.kind}")
         table.check(row)
-        full = dict(row)
         stamped = created or self.created
-        for column in table.stamp:
-            full[column] = self._stamp(column, stamped)
+        if table.stamp is STAMP:
+            full = {**row, "account": self.account, "livemode": self.livemode, "source_event_id": self.event_id,
+                    "source_event_created": stamped}
+        else:
+            full = dict(row)
+            for column in table.stamp:
+                full[column] = self._stamp(column, stamped)
         key = table.key_of(full)
         if table.owner:
             self._changes.owner_seen(table, key, tuple(full[c] for c in table.owner))

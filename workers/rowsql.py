@@ -109,7 +109,7 @@ def kept(table: Table, live: str, shadow: str) -> sql.Composed:
     same = sql.SQL(" AND ").join(sql.SQL("x.{c} IS NOT DISTINCT FROM l.{c}").format(c=sql.Identifier(c))
                                  for c in (*table.key, table.source))
     rows = sql.SQL("(SELECT l.* FROM {live} AS l WHERE NOT EXISTS (SELECT 1 FROM {shadow} AS x WHERE {same}) "
-                   "AND NOT ledger.reprojection_rebuilt({run}, l.{source}))").format(
+                   "AND NOT ledger.reprojection_rebuilt({run}::bigint, l.{source}))").format(
         live=relation(table, live), shadow=relation(table, shadow), same=same, run=sql.Placeholder("run"),
         source=sql.Identifier(table.source))
     returned = _columns(dict.fromkeys((*table.key, table.source)))

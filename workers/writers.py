@@ -47,6 +47,10 @@ class Writer:
         # Where each schema's tables are written: billing's into a rebuild's shadow, say.
         self.schemas = dict(schemas or {})
         self.written = 0
+        # Called before a flush writes anything, and after it wrote (a worker's batch takes its members'
+        # object locks there: workers/processor.py).
+        self.before_write: Callable[[], None] | None = None
+        self.after_write: Callable[[], None] | None = None
 
     def rows_for(self, *, event_id: str, created: datetime, account: str | None, livemode: bool) -> EventRows:
         """The ``ctx.rows`` of one event of this batch."""
@@ -58,8 +62,12 @@ class Writer:
 
     def flush(self) -> int:
         """Write what was recorded since the last flush; how many rows the statements wrote."""
+        if self.changes.items and self.before_write is not None:
+            self.before_write()
         items = self.changes.take()
         if not items:
+            if self.after_write is not None:
+                self.after_write()
             return 0
         wanted = needs(items)
         the_plan = plan(items, self.read(wanted) if wanted else Stored())
@@ -67,6 +75,8 @@ class Writer:
         for announce in the_plan.announce:
             announce()
         self.written += written
+        if self.after_write is not None:
+            self.after_write()
         return written
 
     def discard(self) -> None:

@@ -86,6 +86,34 @@ def test_a_batch_commits_the_events_whose_objects_are_free_while_another_transac
     assert kit.status(busy_id) == "processed"
 
 
+def test_a_member_whose_handler_reaches_for_sql_while_its_objects_are_held_runs_its_sql_once_later(kit):
+    """The keys of a set-based round are taken just before anything is written: a handler's own SQL (or an
+    effect) too. A member whose keys another transaction holds is stopped there, before its SQL runs, and
+    goes in a later transaction; the members before it are written and commit; its SQL runs once."""
+    kit.execute("CREATE TABLE IF NOT EXISTS public.raw_sql_runs (event_id text NOT NULL)")
+    busy, free = SubscriptionHistory(start=1_700_000_100), SubscriptionHistory(start=1_700_000_000)
+    [free_id, busy_id] = kit.record_many([free.lifecycle().events[0], busy.lifecycle().events[0]])
+    processor = kit.processor(modules=(), name="worker-a")
+    processor.registry.register("customer.created", lambda ctx: ctx.conn.execute(
+        "INSERT INTO public.raw_sql_runs (event_id) VALUES (%s)", (ctx.event_id,)))
+    holder = kit.ledger("holder")
+    outcomes: list = []
+
+    with holder.applying() as tx:
+        assert tx.try_lock([busy.customer_id]) == {busy.customer_id}
+        worker = threading.Thread(target=lambda: outcomes.extend(processor.process_batch([free_id, busy_id])))
+        worker.start()
+        wait_until(lambda: kit.status(free_id) == "processed", timeout_s=20,
+                   what="the free event to commit while the busy one's customer is held")
+        assert kit.status(busy_id) == "processing"
+        assert kit.query("SELECT event_id FROM public.raw_sql_runs") == [{"event_id": free_id}]
+    worker.join(30)
+    assert outcomes == [Outcome.PROCESSED, Outcome.PROCESSED]
+    runs = kit.query("SELECT event_id, count(*) AS n FROM public.raw_sql_runs GROUP BY 1 ORDER BY 1")
+    assert runs == sorted([{"event_id": free_id, "n": 1}, {"event_id": busy_id, "n": 1}], key=lambda r: r["event_id"])
+    assert kit.query("SELECT count(*) AS n FROM billing.customers")[0]["n"] == 2
+
+
 def test_a_transaction_waiting_for_its_objects_holds_none_of_those_later_in_the_global_order(kit):
     """object_lock waits for its keys in ascending order of their hash: while it waits for the first,
     it holds none of the others, so two waiting transactions never hold what the other waits for."""

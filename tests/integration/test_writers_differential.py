@@ -20,7 +20,7 @@ import os
 from datetime import datetime, timezone
 
 import pytest
-from hypothesis import HealthCheck, given
+from hypothesis import HealthCheck, Phase, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
@@ -190,8 +190,10 @@ class Applier:
         self.kit.execute("TRUNCATE " + ", ".join(f"{way}.{t}" for way in WAYS for t in TABLES))
 
 
-@hypothesis_settings(max_examples=int(os.environ.get("DIFFERENTIAL_EXAMPLES", "60")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                           HealthCheck.too_slow])
+@hypothesis_settings(max_examples=int(os.environ.get("DIFFERENTIAL_EXAMPLES", "60")), deadline=None,
+                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+                     # ops/sabotage only asks whether a bug is caught: no minutes spent shrinking the example.
+                     phases=[p for p in Phase if not (os.environ.get("SABOTAGE_RUN") and p is Phase.shrink)])
 @given(stream=streams())
 def test_one_event_at_a_time_live_batches_and_rebuild_slices_give_the_same_tables(ways, stream):
     deliveries, batch_sizes, slice_sizes = stream
