@@ -158,9 +158,16 @@ class Registration(NamedTuple):
 _DECLARED = "__ledger_handlers__"
 
 
-@functools.lru_cache(maxsize=1024)
 def alternatives(requirement: Requirement) -> tuple[str, ...]:
     """The paths of a requirement, checked: each one a dotted path of non-empty keys."""
+    try:
+        return _alternatives(tuple(requirement) if isinstance(requirement, list) else requirement)
+    except TypeError:  # unhashable: a path that is not a string
+        raise ValueError(f"a requirement is a dotted path or a tuple of them, not {requirement!r}") from None
+
+
+@functools.lru_cache(maxsize=1024)  # checked once per requirement: every event asks for its handlers' again
+def _alternatives(requirement: Requirement) -> tuple[str, ...]:
     paths = (requirement,) if isinstance(requirement, str) else (
         tuple(requirement) if isinstance(requirement, (tuple, list)) else ())
     if not paths or not all(isinstance(p, str) and p and all(p.split(".")) for p in paths):

@@ -28,6 +28,7 @@ import re
 import resource
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -154,11 +155,20 @@ def _children_cpu_s() -> float:
 
 
 def _ledgerctl(b, *args: str) -> dict[str, Any]:
-    done = subprocess.run([b.checkout.tool("ledgerctl"), "reproject", *args, "--json"], env=b.env,
-                          capture_output=True, text=True, timeout=7200)
-    if done.returncode != 0:
-        raise RuntimeError(f"ledgerctl reproject {' '.join(args)} exited {done.returncode}: {done.stderr[-2000:]}")
-    return json.loads(done.stdout)
+    """``ledgerctl reproject ARGS --json``'s answer, with the process's peak RSS in MB (``_peak_rss_mb``: the
+    rebuild's memory is bounded by its slice, not by the ledger)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen([b.checkout.tool("ledgerctl"), "reproject", *args, "--json"], env=b.env,
+                                   stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        if process.returncode != 0:
+            raise RuntimeError(f"ledgerctl reproject {' '.join(args)} exited {process.returncode}: "
+                               f"{err.read()[-2000:]}")
+        answer = json.loads(out.read())
+    answer["_peak_rss_mb"] = usage.ru_maxrss / 1024  # kB on Linux
+    return answer
 
 
 def _rebuild(b, log, name: str) -> dict[str, Any]:
@@ -177,11 +187,12 @@ def _rebuild(b, log, name: str) -> dict[str, Any]:
     result = {"events": run["total"], "caught_up": run["caught_up"], "seconds": seconds,
               "events_per_s": run["total"] / seconds, "busy": busy,
               "pg_us_per_event": 1e6 * pg_s / events, "ledgerctl_us_per_event": 1e6 * own_s / events,
-              "lock_ms": applied["lock_ms"], "applied_caught_up": applied["caught_up"] - run["caught_up"]}
+              "lock_ms": applied["lock_ms"], "applied_caught_up": applied["caught_up"] - run["caught_up"],
+              "peak_rss_mb": run["_peak_rss_mb"]}
     log(f"  {name}: {run['total']:,} events (+{run['caught_up']:,} caught up) in {seconds:.1f} s = "
         f"{result['events_per_s']:,.0f}/s; CPU per event: ledgerctl {result['ledgerctl_us_per_event']:.0f} us, "
         f"Postgres {result['pg_us_per_event']:.0f} us; machine {100 * busy:.0f}% busy; apply's lock "
-        f"{result['lock_ms']:.0f} ms")
+        f"{result['lock_ms']:.0f} ms; the rebuild's peak RSS {result['peak_rss_mb']:.0f} MB")
     return result
 
 
@@ -237,10 +248,10 @@ def summary(result: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """The scenario's text for the report, and its key figures."""
     lines = [f"history: {result['events']:,} processed events (database {result['history']['database_mb']:.0f} MB)", "",
              "| rebuild | events | caught up | seconds | events/s | ledgerctl µs/event | Postgres µs/event | "
-             "machine busy | apply's lock ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "machine busy | apply's lock ms | peak RSS MB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {name} | {r['events']:,} | {r['caught_up']:,} | {r['seconds']:.1f} | {r['events_per_s']:,.0f} | "
               f"{r['ledgerctl_us_per_event']:.0f} | {r['pg_us_per_event']:.0f} | {100 * r['busy']:.0f}% | "
-              f"{r['lock_ms']:.0f} |" for name, r in result["rebuilds"].items()]
+              f"{r['lock_ms']:.0f} | {r.get('peak_rss_mb', 0):.0f} |" for name, r in result["rebuilds"].items()]
     lines += ["", f"acknowledgements at {result['rate']:g}/s (paced, open loop), README workers running; "
               f"events not processed at the end: {result['unfinished_after']}", "",
               "| window | acks | p50 ms | p99 ms | max ms | errors | machine busy |", "|---|---:|---:|---:|---:|---:|---:|"]
@@ -249,6 +260,7 @@ def summary(result: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     lines += [""] + [f"- {TARGETS[key]}: **{'met' if ok else 'not met'}**" for key, ok in result["targets"].items()]
     values = {f"{name.split()[0]}_events_per_s": r["events_per_s"] for name, r in result["rebuilds"].items()}
     values.update({f"{name.split()[0]}_lock_ms": r["lock_ms"] for name, r in result["rebuilds"].items()})
+    values.update({f"{name.split()[0]}_peak_rss_mb": r.get("peak_rss_mb") for name, r in result["rebuilds"].items()})
     values.update({f"ack_p99_{name.replace(' ', '_')}_ms": s["p99_ms"] for name, s in result["phases"].items()})
     values.update({f"target_{key}": "met" if ok else "not_met" for key, ok in result["targets"].items()})
     return "\n".join(lines), values
