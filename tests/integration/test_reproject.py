@@ -362,3 +362,44 @@ def test_a_product_handler_on_the_writer_api_is_batched_and_rebuilt_and_a_raw_sq
     assert {r["invoice_id"]: r["amount"] for r in kit.query("SELECT invoice_id, amount FROM billing.credits")} == {
         **credits}
     assert kit.query("SELECT invoice_id FROM billing.credit_notes ORDER BY 1") == notes
+
+
+def test_one_objects_rows_rebuilt_in_memory_are_the_rows_its_events_wrote(kit):
+    """object_rows: the rows the rebuilt handlers make of one object's events, in memory, nothing read
+    or written (the object view's building block), equal the rows a worker wrote for them: the
+    subscription, its transitions (chained in Stripe's order), its mirror, and its customer's
+    entitlements (derived from it alone: it is the customer's only subscription)."""
+    from datetime import datetime, timezone
+
+    from devkit.factories import SubscriptionHistory
+    from ledger.reprojection import StoredEvent
+    from workers.registry import load_handlers
+    from workers.reproject import object_rows
+
+    history = SubscriptionHistory(start=1_700_000_000).lifecycle()
+    other = SubscriptionHistory(start=1_700_000_050).lifecycle()  # another object's events, in the same ledger
+    process_all(kit, sorted(history.events + other.events, key=lambda e: (e["created"], e["id"])))
+    mine = [e for e in history.events if e["data"]["object"]["id"] == history.subscription_id]
+    stored = [StoredEvent(e["id"], e["type"], e, datetime.fromtimestamp(e["created"], tz=timezone.utc),
+                          e["livemode"], e.get("account"), e.get("api_version")) for e in reversed(mine)]
+
+    rows = object_rows(load_handlers(kit.settings), stored)
+
+    live = rp.tables(kit.query)
+
+    def normal(table: str, row: dict) -> dict:
+        # As Postgres returns it through to_jsonb: timestamps in its text, the same keys.
+        return kit.query(f"SELECT to_jsonb(r) - %s::text[] AS r FROM jsonb_populate_record(NULL::billing.{table}, "
+                         "%s::jsonb) r", (list(rp.WRITTEN_AT), json.dumps(row, default=str)))[0]["r"]
+
+    [sub] = rows["billing.subscriptions"]
+    assert normal("subscriptions", sub) == live["subscriptions"][(history.subscription_id,)]
+    transitions = {(r["event_id"],): normal("subscription_transitions", r) for r in rows["billing.subscription_transitions"]}
+    assert transitions == {k: v for k, v in live["subscription_transitions"].items()
+                           if v["subscription_id"] == history.subscription_id}
+    assert [normal("objects", r) for r in rows["billing.objects"]] == [
+        v for k, v in live["objects"].items() if k[0] == history.subscription_id]
+    assert {(r["customer_id"], r["feature"], r["source"]) for r in rows["billing.entitlements"]} == {
+        k for k in live["entitlements"] if k[0] == history.customer_id}
+    assert set(rows) == {"billing.subscriptions", "billing.subscription_transitions", "billing.objects",
+                         "billing.entitlements"}
