@@ -50,14 +50,14 @@ SABOTAGES = (
         "apply transaction no longer proves the lease is ours: lease_owner dropped from "
         "event_lock_if_lease_held and event_finish_if_lease_held (ledger/sql/events.sql)",
         (("ledger/sql/events.sql",
-          " WHERE id = %(id)s AND status = 'processing' AND lease_owner = %(lease_owner)s\n"
+          " WHERE id = %(id)s AND coalesce(status, '') = 'processing' AND lease_owner = %(lease_owner)s\n"
           "                    FOR NO KEY UPDATE",
-          " WHERE id = %(id)s AND status = 'processing'\n"
+          " WHERE id = %(id)s AND coalesce(status, '') = 'processing'\n"
           "                    FOR NO KEY UPDATE"),
          ("ledger/sql/events.sql",
-          "     WHERE id = %(id)s AND status = 'processing' AND lease_owner = %(lease_owner)s\n"
+          "     WHERE id = %(id)s AND coalesce(status, '') = 'processing' AND lease_owner = %(lease_owner)s\n"
           " RETURNING id\n), closed AS (\n    UPDATE ledger.attempts\n       SET outcome = 'processed'",
-          "     WHERE id = %(id)s AND status = 'processing'\n"
+          "     WHERE id = %(id)s AND coalesce(status, '') = 'processing'\n"
           " RETURNING id\n), closed AS (\n    UPDATE ledger.attempts\n       SET outcome = 'processed'")),
         ("tests/integration/test_worker_fencing.py",)),
     Sabotage(
@@ -65,11 +65,11 @@ SABOTAGES = (
         "the set-based apply's fence and finish no longer check the lease owner: "
         "events_lock_if_leases_held and events_finish_if_leases_held (ledger/sql/events.sql)",
         (("ledger/sql/events.sql",
-          "    ON e.id = m.id AND e.lease_owner = m.lease_owner\n WHERE e.status = 'processing'",
-          "    ON e.id = m.id\n WHERE e.status = 'processing'"),
+          "    ON e.id = m.id AND e.lease_owner = m.lease_owner\n WHERE coalesce(e.status, '') = 'processing'",
+          "    ON e.id = m.id\n WHERE coalesce(e.status, '') = 'processing'"),
          ("ledger/sql/events.sql",
-          "     WHERE e.id = m.id AND e.status = 'processing' AND e.lease_owner = m.lease_owner",
-          "     WHERE e.id = m.id AND e.status = 'processing'")),
+          "     WHERE e.id = m.id AND coalesce(e.status, '') = 'processing' AND e.lease_owner = m.lease_owner",
+          "     WHERE e.id = m.id AND coalesce(e.status, '') = 'processing'")),
         ("tests/integration/test_worker_fencing.py", "tests/integration/test_worker_batch.py")),
     Sabotage(
         "retention-removes-before-verifying",
@@ -187,18 +187,19 @@ SABOTAGES = (
         "event is marked processed with whatever the handler wrote (EventProcessor._run_handlers, "
         "workers/processor.py)",
         (("workers/processor.py",
-          "        for handle in self.registry.resolve(event.type):\n            handle(context)\n",
-          "        for handle in self.registry.resolve(event.type):\n            try:\n                handle(context)\n"
-          "            except Exception:\n                log.exception(\"handler failed\")\n"),),
+          "        self.registry.apply(context)\n",
+          "        try:\n            self.registry.apply(context)\n"
+          "        except Exception:\n            log.exception(\"handler failed\")\n"),),
         ("tests/unit/test_worker_failures.py", "tests/e2e/test_worker_retries.py")),
     Sabotage(
         "claim-without-status-check",
         "event_claim takes every id it is given, whatever its status or lease (and clears "
         "processed_at, so the schema's CHECKs accept it) (ledger/sql/events.sql)",
         (("ledger/sql/events.sql",
-          "     WHERE id = ANY(%(ids)s)\n       AND (status = 'received'\n"
-          "            OR (status = 'failed_recoverable' AND next_attempt_at <= now())\n"
-          "            OR (status = 'processing' AND lease_expires_at < now()))\n       FOR NO KEY UPDATE SKIP LOCKED",
+          "     WHERE id = ANY(%(ids)s)\n       AND (coalesce(status, '') = 'received'\n"
+          "            OR (coalesce(status, '') = 'failed_recoverable' AND next_attempt_at <= now())\n"
+          "            OR (coalesce(status, '') = 'processing' AND lease_expires_at < now()))\n"
+          "       FOR NO KEY UPDATE SKIP LOCKED",
           "     WHERE id = ANY(%(ids)s)\n       FOR NO KEY UPDATE SKIP LOCKED"),
          ("ledger/sql/events.sql",
           "           redrives         = 0,\n           updated_at       = now()\n"
@@ -227,8 +228,8 @@ SABOTAGES = (
         "goes on to its COMMIT (EventProcessor._apply_together, workers/processor.py): its writes commit "
         "with its batch-mates'",
         (("workers/processor.py",
-          "                        raise _MemberFailed(member, classify(exc)) from exc  # classified where caught\n",
-          "                        lost[claim.event_id] = classify(exc)\n                        continue\n"),),
+          "                        raise _MemberFailed(member, failure) from exc\n",
+          "                        lost[claim.event_id] = failure\n                        continue\n"),),
         ("tests/integration/test_worker_batch.py",)),
     Sabotage(
         "object-locks-not-taken",

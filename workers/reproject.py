@@ -214,8 +214,10 @@ class Reprojection:
             # The counts first: comparing whole tables takes a while, and the events processed meanwhile are
             # caught up before the lock, not under it.
             counts = {d.table: d.counts() for d in self.ledger.diff(run["tables"], limit=0)}
-            self._catch_up_until_few(conn, run["id"], "built", SHADOW)
             self._keep(conn, run["id"])  # rows written since the build by no event (an object fetched meanwhile)
+            # Last before the lock: what the workers processed while the tables were compared and kept rows merged
+            # is caught up here, not under the lock.
+            self._catch_up_until_few(conn, run["id"], "built", SHADOW)
             lock_ms = self._switch(conn, run, incoming=SHADOW, aside=BEFORE, catch_up_into=SHADOW,
                                    finish=lambda c: self._applied(c, run, actor, counts, skipped))
             self.ledger.drop_schema(conn, SHADOW)

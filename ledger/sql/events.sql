@@ -1,6 +1,11 @@
 -- Every statement that reads or moves ledger.events and ledger.attempts.
 -- Transitions are compare-and-set: the expected state (and lease owner) sits in
 -- the WHERE clause, and "no row" is an outcome the caller names and handles.
+-- Beside an event's id, its status is tested as coalesce(status, '') (status is never
+-- NULL): the planner must not answer such a statement from a partial index of unfinished
+-- events, whose predicate is a status test. It prefers those whenever its statistics say few
+-- events are unfinished, and on a ledger whose backlog grew since, that reads the whole backlog
+-- for each id: 7 ms at 5,000 unfinished events, against 0.1 ms through the primary key.
 
 -- name: event_record_delivery
 -- Receiver and catch-up: a new id becomes `received`; a known id is left as it is
@@ -43,7 +48,7 @@ SELECT false AS inserted, status, coalesce(lease_expires_at < now(), false) AS l
 -- Stripe is a second chance to process, never a reason to wait out our backoff.
 UPDATE ledger.events
    SET next_attempt_at = least(next_attempt_at, now()), wakeup_at = now(), updated_at = now()
- WHERE id = %(id)s AND status = 'failed_recoverable'
+ WHERE id = %(id)s AND coalesce(status, '') = 'failed_recoverable'
 
 -- name: event_get
 -- Read one event row (no payload) for inspection and responses.
@@ -74,9 +79,9 @@ WITH claimable AS (
     SELECT id
       FROM ledger.events
      WHERE id = ANY(%(ids)s)
-       AND (status = 'received'
-            OR (status = 'failed_recoverable' AND next_attempt_at <= now())
-            OR (status = 'processing' AND lease_expires_at < now()))
+       AND (coalesce(status, '') = 'received'
+            OR (coalesce(status, '') = 'failed_recoverable' AND next_attempt_at <= now())
+            OR (coalesce(status, '') = 'processing' AND lease_expires_at < now()))
        FOR NO KEY UPDATE SKIP LOCKED
 ), claimed AS (
     UPDATE ledger.events
@@ -113,7 +118,7 @@ SELECT claimed.*, claimed.id IN (SELECT event_id FROM closed) AS rescued FROM cl
 -- back that savepoint alone.
 SELECT coalesce((SELECT id
                    FROM ledger.events
-                  WHERE id = %(id)s AND status = 'processing' AND lease_owner = %(lease_owner)s
+                  WHERE id = %(id)s AND coalesce(status, '') = 'processing' AND lease_owner = %(lease_owner)s
                     FOR NO KEY UPDATE),
                 ledger.lease_not_held(%(id)s)) AS id
 
@@ -129,7 +134,7 @@ WITH finished AS (
        SET status = 'processed', processed_at = now(), lease_owner = NULL,
            lease_expires_at = NULL, lease_liveness_key = NULL, next_attempt_at = NULL, failure_reason = NULL,
            last_error = NULL, updated_at = now()
-     WHERE id = %(id)s AND status = 'processing' AND lease_owner = %(lease_owner)s
+     WHERE id = %(id)s AND coalesce(status, '') = 'processing' AND lease_owner = %(lease_owner)s
  RETURNING id
 ), closed AS (
     UPDATE ledger.attempts
@@ -149,7 +154,7 @@ SELECT e.id
   FROM ledger.events e
   JOIN unnest(%(ids)s::text[], %(lease_owners)s::text[]) AS m(id, lease_owner)
     ON e.id = m.id AND e.lease_owner = m.lease_owner
- WHERE e.status = 'processing'
+ WHERE coalesce(e.status, '') = 'processing'
  ORDER BY e.id
    FOR NO KEY UPDATE OF e
 
@@ -169,7 +174,7 @@ WITH members AS (
            lease_expires_at = NULL, lease_liveness_key = NULL, next_attempt_at = NULL, failure_reason = NULL,
            last_error = NULL, updated_at = now()
       FROM members m
-     WHERE e.id = m.id AND e.status = 'processing' AND e.lease_owner = m.lease_owner
+     WHERE e.id = m.id AND coalesce(e.status, '') = 'processing' AND e.lease_owner = m.lease_owner
  RETURNING e.id
 ), closed AS (
     UPDATE ledger.attempts a
@@ -202,7 +207,7 @@ WITH failed AS (
            lease_expires_at = NULL,
            lease_liveness_key = NULL,
            updated_at       = now()
-     WHERE id = %(id)s AND status = 'processing' AND lease_owner = %(lease_owner)s
+     WHERE id = %(id)s AND coalesce(status, '') = 'processing' AND lease_owner = %(lease_owner)s
  RETURNING id
 )
 UPDATE ledger.attempts

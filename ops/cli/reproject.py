@@ -160,7 +160,8 @@ def reproject_status(obj: _Context, limit: int, as_json: bool):
 @json_option
 @click.pass_obj
 def reproject_diff(obj: _Context, tables: tuple[str, ...], limit: int, as_json: bool):
-    """Per table, live against rebuilt: rows only live, only rebuilt, changed (which columns, old -> new)."""
+    """Per table, live against rebuilt: rows only live, only rebuilt, changed (which columns, old -> new), and
+    the live rows kept through an apply (their source is an event the rebuild could not apply)."""
     from ledger.reprojection import ReprojectionError, UnknownTable
 
     reprojection = _reprojection(obj)
@@ -175,11 +176,13 @@ def reproject_diff(obj: _Context, tables: tuple[str, ...], limit: int, as_json: 
         _echo_json({"run": run["id"], "tables": [{"table": d.table, "key": d.key, **d.counts(), "rows": d.rows}
                                                  for d in diffs], "not_rebuilt": skips})
         return
-    _table([{"table": d.table, **d.counts()} for d in diffs], ["table", "only_live", "only_rebuilt", "changed"])
+    _table([{"table": d.table, **d.counts()} for d in diffs], ["table", "only_live", "only_rebuilt", "changed", "kept"])
     for d in diffs:
         for row in d.rows:
             key = ", ".join(f"{k}={v}" for k, v in row["key"].items())
             change = "; ".join(f"{c}: {old!r} -> {new!r}" for c, (old, new) in row.get("columns", {}).items())
+            if row["kind"] == "kept":
+                change = f"written by {row['source'] or 'no event'}, which this rebuild could not apply"
             click.echo(f"{d.table} {row['kind']:12} {key}" + (f"  {change}" if change else ""))
     if skips:
         click.echo(f"{len(skips)} event(s) not rebuilt (`ledgerctl reproject status` lists them)")
