@@ -105,12 +105,7 @@ class ProcessPool:
             # A person waits on each statement (the console): no JIT compile and no parallel workers to
             # start, whose few tens of milliseconds a short indexed statement never wins back.
             options += " -c jit=off -c max_parallel_workers_per_gather=0"
-        else:
-            # The receiver's, the workers' and ledgerctl's statements are the same few, each finding its rows
-            # by key: planned once per session, not at every call (Postgres keeps planning a prepared
-            # statement anew while a plan for its values looks cheaper than the generic one, as one for a
-            # list of 3 ids does): a third of Postgres' CPU per event for a batch of one.
-            options += " -c plan_cache_mode=force_generic_plan"
+
         return ConnectionPool(
             self._settings.database_url,
             min_size=1,
