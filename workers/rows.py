@@ -203,6 +203,7 @@ class _Derive:
     order: OrderKey
     derivation: Derivation
     group: Any
+    again: bool = False  # written even if the source rows it is derived from did not change
 
 
 @dataclass
@@ -334,9 +335,12 @@ class EventRows:
                                             table, tuple(scope_row[c] for c in table.scope), scope_row, members,
                                             guarded))
 
-    def derive(self, derivation: Derivation, group: Any) -> None:
-        """Recompute ``derivation``'s set of ``group`` once this batch's writes are known."""
-        self._changes.items.append(_Derive(self._changes.next_order(self.created, self.event_id), derivation, group))
+    def derive(self, derivation: Derivation, group: Any, *, again: bool = False) -> None:
+        """Recompute ``derivation``'s set of ``group`` once this batch's writes are known. It is written only when
+        it differs from the set the group's stored rows give (which is the stored set: every write of those rows
+        derives it), unless ``again`` (a set that may not be the stored rows' yet: a rebuild's kept rows)."""
+        self._changes.items.append(_Derive(self._changes.next_order(self.created, self.event_id), derivation, group,
+                                           again))
 
     def on_change(self, table: Table, group: Any, fn: Callable[[list[dict], list[dict]], None]) -> None:
         """Once the batch's sets are known: ``fn(before, after)``, ``group``'s rows of ``table`` before the
@@ -444,7 +448,7 @@ def plan(changes: list[Change], stored: Stored) -> Plan:
     outcome: dict[tuple[str, Table, tuple], tuple[dict | None, bool]] = {}
     once: dict[Table, dict[tuple, dict]] = {}
     sets: dict[Table, dict[tuple, tuple[dict, list]]] = {}
-    derive: dict[Derivation, dict[Any, OrderKey]] = {}
+    derive: dict[Derivation, dict[Any, bool]] = {}  # the groups to derive, and whether to write them again
     watch: dict[tuple[Table, Any], _Watch] = {}
     for change in ordered:
         if isinstance(change, _Upsert):
@@ -475,20 +479,20 @@ def plan(changes: list[Change], stored: Stored) -> Plan:
                 continue  # a newer replacement of this scope was applied already
             sets.setdefault(change.table, {})[change.scope] = (change.scope_row, change.rows)
         elif isinstance(change, _Derive):
-            derive.setdefault(change.derivation, {})[change.group] = change.order
+            groups = derive.setdefault(change.derivation, {})
+            groups[change.group] = groups.get(change.group, False) or change.again
         else:
             watch[(change.table, change.group)] = change
     for derivation, groups in derive.items():
-        source = state.get(derivation.source, {})
-        by_group: dict[Any, list[dict]] = {}
-        for row in source.values():
-            if row.get(derivation.by) in groups:
-                by_group.setdefault(row[derivation.by], []).append(row)
-        for group in groups:
+        after = _by_group(derivation, state.get(derivation.source, {}), groups)
+        before = _by_group(derivation, stored.latest.get(derivation.source, {}), groups)
+        for group, again in groups.items():
             scope_row = derivation.scope(group)
             scope = tuple(scope_row[c] for c in derivation.table.scope)
-            members = [{**scope_row, **r} for r in derivation.rule(group, sorted(
-                by_group.get(group, []), key=lambda r: derivation.source.key_of(r)))]
+            members = [{**scope_row, **r} for r in derivation.rule(group, after.get(group, []))]
+            if not again and _keys(derivation.table, members) == _keys(derivation.table, [
+                    {**scope_row, **r} for r in derivation.rule(group, before.get(group, []))]):
+                continue  # what the stored rows give already: the stored set, written when they were
             sets.setdefault(derivation.table, {})[scope] = (scope_row, members)
     for table, kept in newest.items():
         tracked = state.get(table)
@@ -507,6 +511,19 @@ def plan(changes: list[Change], stored: Stored) -> Plan:
         after = _replaced(table, before, sets.get(table, {}), group)
         out.announce.append(lambda fn=change.fn, b=before, a=after: fn(b, a))
     return out
+
+
+def _by_group(derivation: Derivation, rows: Mapping[tuple, dict], groups) -> dict[Any, list[dict]]:
+    """The source rows of each of ``groups``, in key order (the order a rule sees them in)."""
+    found: dict[Any, list[dict]] = {}
+    for key, row in sorted(rows.items(), key=_by_key):
+        if row.get(derivation.by) in groups:
+            found.setdefault(row[derivation.by], []).append(row)
+    return found
+
+
+def _keys(table: Table, rows: list[dict]) -> set[tuple]:
+    return {table.key_of(row) for row in rows}
 
 
 def _by_key(item: tuple[tuple, Any]) -> tuple:

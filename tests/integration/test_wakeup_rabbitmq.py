@@ -81,3 +81,41 @@ def test_the_sweeps_queue_depth_gauge_reads_either_broker(request, broker, kit):
                                                                           effects_queue(config.queue_name): 1}
     finally:
         waker.close()
+
+
+def test_a_wakeup_written_from_the_template_is_the_message_celery_publishes_on_rabbitmq(vhost):
+    """The first wake-up of a task goes through Celery and kombu; the next are published from its message.
+    What RabbitMQ delivers must be the same message but for the wake-up's own ids and argument, each
+    decoding to its own one-argument call, so a worker cannot tell them apart."""
+    import amqp
+
+    waker, config = waker_on(vhost)
+    args = ["evt_1First", "evt_2Second", "evt_3Third"]
+    try:
+        assert [waker.wake(arg) for arg in args] == [True, True, True]
+        # The second and third went from the first one's message, not through Celery.
+        assert [type(t).__name__ for p in waker._idle for t in p.templates.values()] == ["_AmqpTemplate"]
+    finally:
+        waker.close()
+    host, port = "127.0.0.1", 5672
+    with amqp.Connection(f"{host}:{port}", userid="guest", password="guest", virtual_host=vhost.name) as conn:
+        channel = conn.channel()
+        got = [channel.basic_get(config.queue_name, no_ack=True) for _ in args]
+    assert all(message is not None for message in got)
+
+    def without_ids(message) -> dict:
+        properties = json.loads(json.dumps(message.properties, default=str))
+        properties.pop("delivery_info", None)
+        properties["application_headers"].update(id=None, root_id=None, argsrepr=None)
+        properties["correlation_id"] = None
+        return properties
+
+    first = got[0]
+    for arg, message in zip(args, got):
+        assert without_ids(message) == without_ids(first)
+        body_args, kwargs, _embed = json.loads(message.body)
+        assert body_args == [arg] and kwargs == {}
+        headers = message.properties["application_headers"]
+        assert headers["argsrepr"] == repr([arg])
+        assert headers["id"] == headers["root_id"] == message.properties["correlation_id"]
+    assert len({m.properties["correlation_id"] for m in got}) == 3
