@@ -347,10 +347,14 @@ def incoming(evt: dict[str, Any]):
     (for recording without HTTP)."""
     from ledger.deliveries import IncomingEvent
 
+    from ledger.stripe_events import object_and_customer
+
     if evt.get("object") == THIN_OBJECT:
         # As the receiver records one: created to the millisecond, the context as the account.
         return IncomingEvent(id=evt["id"], type=evt["type"], created=datetime.fromisoformat(evt["created"]).timestamp(),
                              livemode=evt["livemode"], api_version=None, account=evt.get("context"),
-                             payload=body_of(evt))
+                             payload=body_of(evt), object_id=(evt.get("related_object") or {}).get("id"))
+    object_id, customer_id = object_and_customer((evt.get("data") or {}).get("object"))
     return IncomingEvent(id=evt["id"], type=evt["type"], created=evt["created"], livemode=evt["livemode"],
-                         api_version=evt.get("api_version"), account=evt.get("account"), payload=body_of(evt))
+                         api_version=evt.get("api_version"), account=evt.get("account"), payload=body_of(evt),
+                         object_id=object_id, customer_id=customer_id)

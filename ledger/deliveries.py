@@ -32,6 +32,10 @@ class IncomingEvent:
     payload: str  # the verified body, exactly as sent
     # Who delivered it: Stripe's webhook, or a catch-up that listed it from the API.
     source: str = "webhook"
+    # The Stripe object it is about and that object's customer (ledger.stripe_events.object_and_customer):
+    # what finds an object's events, and what keeps a customer's events together in a rebuild's parts.
+    object_id: str | None = None
+    customer_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,8 @@ class EventStore:
         """Durably record a delivery (autocommit: committed when this returns)."""
         params = {"id": event.id, "type": event.type, "created": event.created,
                   "livemode": event.livemode, "api_version": event.api_version,
-                  "account": event.account, "payload": event.payload, "source": event.source}
+                  "account": event.account, "payload": event.payload, "source": event.source,
+                  "object_id": event.object_id, "customer_id": event.customer_id}
         row = (self._rows(SQL.event_record_delivery, params) or self._rows(SQL.event_delivery_status, params))[0]
         status = EventStatus(row["status"])
         if status is EventStatus.FAILED_RECOVERABLE:

@@ -66,6 +66,24 @@ def is_deletion(event_type: str | None, obj: Mapping[str, Any]) -> bool:
         event_type is not None and event_type.endswith(".deleted") and event_type not in _NOT_A_DELETION)
 
 
+def object_and_customer(obj: Any) -> tuple[str | None, str | None]:
+    """The id of the Stripe object an event is about, and of that object's customer: ``customer`` (bare or
+    expanded), else an Accounts v2 customer's ``customer_account``. None where it names none, or names it
+    in a shape no id has (a recording never fails for these). The rule of ledger.reprojection_key."""
+    if not isinstance(obj, dict):
+        return None, None
+    customer = obj.get("customer")
+    if isinstance(customer, dict):
+        customer = customer.get("id")
+    if not isinstance(customer, str):
+        customer = obj.get("customer_account")
+    return _key(obj.get("id")), _key(customer)
+
+
+def _key(value: Any) -> str | None:
+    return value if isinstance(value, str) and _LABEL.fullmatch(value) else None
+
+
 def parse_event(body: bytes) -> IncomingEvent:
     """A snapshot event (``"object": "event"``, its object in ``data.object``)."""
     text, data = _json_object(body)
@@ -82,6 +100,7 @@ def parse_event(body: bytes) -> IncomingEvent:
     api_version = data.get("api_version")
     account = data.get("account")
     _no_nul(api_version=api_version, account=account)
+    object_id, customer_id = object_and_customer(obj)
     return IncomingEvent(
         id=event_id,
         type=event_type,
@@ -90,6 +109,8 @@ def parse_event(body: bytes) -> IncomingEvent:
         api_version=_label(api_version, "api_version"),
         account=_label(account, "account"),
         payload=text,
+        object_id=object_id,
+        customer_id=customer_id,
     )
 
 
@@ -128,8 +149,10 @@ def parse_notification(body: bytes) -> IncomingEvent:
         EventNotification.from_json(data, _NOTIFICATIONS)
     except (ValueError, KeyError, TypeError, AttributeError):
         raise InvalidEvent(_NOT_A_NOTIFICATION) from None
+    related = data.get("related_object")
     return IncomingEvent(id=event_id, type=event_type, created=created, livemode=data.get("livemode") is True,
-                         api_version=None, account=account, payload=text)
+                         api_version=None, account=account, payload=text,
+                         object_id=_key(related.get("id")) if isinstance(related, dict) else None)
 
 
 def _json_object(body: bytes) -> tuple[str, dict]:

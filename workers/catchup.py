@@ -42,6 +42,7 @@ from ledger.catchup import CatchupBusy, CatchupLedger
 from ledger.config import Settings
 from ledger.db import ProcessPool
 from ledger.deliveries import EventStore, IncomingEvent
+from ledger.stripe_events import object_and_customer
 from workers import metrics
 from workers.stripe_api import StripeApi
 
@@ -251,11 +252,13 @@ class CatchUp:
         return cursor["last_event_created"] < now - WINDOW
 
     def _incoming(self, evt: dict, account: str | None) -> IncomingEvent:
+        object_id, customer_id = object_and_customer((evt.get("data") or {}).get("object"))
         return IncomingEvent(id=evt["id"], type=evt["type"], created=int(evt["created"]),
                              livemode=bool(evt.get("livemode")), api_version=evt.get("api_version"),
                              # Listed with Stripe-Account: the event is that account's even if it does not say so.
                              account=evt.get("account") or account,
-                             payload=json.dumps(evt, separators=(",", ":")), source="catchup")
+                             payload=json.dumps(evt, separators=(",", ":")), source="catchup",
+                             object_id=object_id, customer_id=customer_id)
 
 
 def _created(evt: dict) -> datetime:

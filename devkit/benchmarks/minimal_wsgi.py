@@ -29,6 +29,7 @@ import psycopg
 import redis
 
 from ledger.queries import SQL
+from ledger.stripe_events import object_and_customer
 
 from .workload import WakeupMessage
 
@@ -76,7 +77,8 @@ class MinimalReceiver:
         conn, broker = self._connections()
         params = {"id": event["id"], "type": event["type"], "created": event["created"],
                   "livemode": event.get("livemode") is True, "api_version": event.get("api_version"),
-                  "account": event.get("account"), "payload": body.decode(), "source": "webhook"}
+                  "account": event.get("account"), "payload": body.decode(), "source": "webhook",
+                  **dict(zip(("object_id", "customer_id"), object_and_customer(event["data"]["object"])))}
         row = conn.execute(SQL.event_record_delivery, params).fetchone()
         inserted = bool(row and row[0])
         if inserted:

@@ -23,6 +23,7 @@ import redis
 from devkit.sql import SQL, compose
 from ledger.config import Settings
 from ledger.queries import SQL as LEDGER_SQL
+from ledger.stripe_events import object_and_customer
 from workers.app import make_celery
 from workers.wakeup import Waker
 
@@ -378,8 +379,10 @@ def ingest_scripts(work_dir: Path, deliveries_sample: list) -> tuple[list[Path],
         names = {"id": "('evt_pgb_' || :r)", "type": f":type{k}", "created": f":created{k}::double precision",
                  "livemode": f":livemode{k}::boolean", "payload": f":payload{k}", "source": "'webhook'::text"}
         # pgbench cannot define an empty variable: absent values are NULL literals (psycopg sends NULL too).
-        for name, key in (("api_version", "api"), ("account", "account")):
-            value = evt.get(name)
+        values = dict(evt, **dict(zip(("object_id", "customer_id"), object_and_customer(evt["data"]["object"]))))
+        for name, key in (("api_version", "api"), ("account", "account"), ("object_id", "object"),
+                          ("customer_id", "customer")):
+            value = values.get(name)
             if value:
                 defines[f"{key}{k}"] = value
                 names[name] = f":{key}{k}::text"

@@ -11,6 +11,37 @@ ALTER TABLE ledger.events ADD COLUMN IF NOT EXISTS applied_object_at   timestamp
 ALTER TABLE ledger.events ADD COLUMN IF NOT EXISTS applied_api_version text;
 ALTER TABLE ledger.events ADD COLUMN IF NOT EXISTS applied_as          text;
 
+-- The Stripe object an event is about and that object's customer (ledger.stripe_events.object_and_customer),
+-- recorded by the receiver and catch-up from the body they parse anyway: what keeps a customer's events
+-- in one part of a rebuild without parsing every payload (ledger.reprojection_key), and what finds an
+-- object's events. NULL for an event recorded before; no index here (one built inside a migration's
+-- transaction would hold the receiver's inserts for as long as it takes).
+ALTER TABLE ledger.events ADD COLUMN IF NOT EXISTS object_id   text;
+ALTER TABLE ledger.events ADD COLUMN IF NOT EXISTS customer_id text;
+
+-- Which part of a rebuild an event goes to is decided by this key: its object's customer, else its
+-- object, else its own id (one customer's subscriptions, transitions and entitlements are written by
+-- one part). From the columns above; for a thin notification, from the object its worker applied; for
+-- an event recorded before the columns, from its payload (which costs a parse of it).
+CREATE OR REPLACE FUNCTION ledger.object_customer(o json) RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT coalesce(CASE json_typeof(o -> 'customer') WHEN 'object' THEN o -> 'customer' ->> 'id'
+                                                      WHEN 'string' THEN o ->> 'customer' END,
+                    o ->> 'customer_account')
+$$;
+
+CREATE OR REPLACE FUNCTION ledger.reprojection_key(customer_id text, object_id text, applied_object json,
+                                                   payload json, event_id text) RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT coalesce(customer_id,
+                    ledger.object_customer(applied_object),
+                    CASE WHEN object_id IS NULL THEN ledger.object_customer(payload -> 'data' -> 'object') END,
+                    applied_object ->> 'id',
+                    object_id,
+                    CASE WHEN object_id IS NULL THEN payload -> 'data' -> 'object' ->> 'id' END,
+                    event_id)
+$$;
+
 -- The shadow of some of billing's tables: reprojection_make_shadow(target) copies every table of
 -- schema billing; a rebuild copies only the tables its handlers write (billing's own, and those of
 -- a user's handlers declared rebuilt), so a table of schema billing that no rebuilt handler writes

@@ -23,9 +23,10 @@
 WITH existing AS (
     SELECT status, lease_expires_at, stripe_created FROM ledger.events WHERE id = %(id)s
 ), inserted AS (
-    INSERT INTO ledger.events (id, type, stripe_created, livemode, api_version, account, payload)
+    INSERT INTO ledger.events (id, type, stripe_created, livemode, api_version, account, payload, object_id,
+                               customer_id)
     SELECT %(id)s, %(type)s, to_timestamp(%(created)s), %(livemode)s, %(api_version)s,
-           %(account)s, %(payload)s::json
+           %(account)s, %(payload)s::json, %(object_id)s, %(customer_id)s
      WHERE NOT EXISTS (SELECT 1 FROM existing)
     ON CONFLICT DO NOTHING
     RETURNING status, lease_expires_at

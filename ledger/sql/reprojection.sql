@@ -49,14 +49,15 @@ CREATE TABLE billing_rebuild.reprojection_queue (
 )
 
 -- name: reprojection_fill_queue
--- Every processed event, in its part (ledger.reprojection_part), numbered in the part by (created, id):
--- Stripe's `created` has one-second resolution, the id breaks ties the same way every time. A pruned
--- event has no payload to part it by: its own id does, and the rebuild lists it. One part reads no
--- payload: parting one parses each (80 us of a 4 KB payload, more than the rest of the queue).
+-- Every processed event, in its part (by ledger.reprojection_key: its customer's, migration 0016),
+-- numbered in the part by (created, id): Stripe's `created` has one-second resolution, the id breaks
+-- ties the same way every time. One part reads no key at all.
 INSERT INTO billing_rebuild.reprojection_queue (part, seq, event_id, stripe_created)
 SELECT part, row_number() OVER (PARTITION BY part ORDER BY stripe_created, id), id, stripe_created
-  FROM (SELECT CASE WHEN %(parts)s::integer = 1 THEN 0 ELSE ledger.reprojection_part(payload, id, %(parts)s) END
-               AS part, id, stripe_created
+  FROM (SELECT CASE WHEN %(parts)s::integer = 1 THEN 0
+                    ELSE (abs(hashtextextended(ledger.reprojection_key(customer_id, object_id, applied_object,
+                                                                       payload, id), 0)) %% %(parts)s)::integer
+               END AS part, id, stripe_created
           FROM ledger.events WHERE status = 'processed') e
 
 -- name: reprojection_create_kept

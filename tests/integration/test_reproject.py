@@ -403,3 +403,22 @@ def test_one_objects_rows_rebuilt_in_memory_are_the_rows_its_events_wrote(kit):
         k for k in live["entitlements"] if k[0] == history.customer_id}
     assert set(rows) == {"billing.subscriptions", "billing.subscription_transitions", "billing.objects",
                          "billing.entitlements"}
+
+
+def test_an_events_part_key_is_the_same_from_the_columns_the_receiver_fills_as_from_its_payload(kit):
+    """A rebuild parts events by ledger.reprojection_key: from the object and customer ids the receiver
+    records (migration 0016), or from the payload of an event recorded before them. Both must give every
+    event of one customer the same key, or one customer's rows would be written by two processes."""
+    from ledger.stripe_events import object_and_customer
+
+    events = rp.lifecycles(3)
+    for evt in events:
+        object_id, customer_id = object_and_customer(evt["data"]["object"])
+        from_columns, from_payload = kit.query(
+            "SELECT ledger.reprojection_key(%s, %s, NULL, NULL, %s) AS c, "
+            "ledger.reprojection_key(NULL, NULL, NULL, %s::json, %s) AS p",
+            (customer_id, object_id, evt["id"], json.dumps(evt), evt["id"]))[0].values()
+        assert from_columns == from_payload, evt["type"]
+    customers = {kit.query("SELECT ledger.reprojection_key(NULL, NULL, NULL, %s::json, %s) AS k",
+                           (json.dumps(e), e["id"]))[0]["k"] for e in events}
+    assert len(customers) == 3  # each lifecycle's events under its customer's key

@@ -46,7 +46,7 @@ def test_a_notification_is_recorded_under_its_id_with_created_to_the_millisecond
 
     assert parse_notification(body.encode()) == IncomingEvent(
         id="evt_thin_unit_1", type="v1.customer.subscription.updated", created=T0 + 0.123, livemode=True,
-        api_version=None, account="acct_1Connected", payload=body)
+        api_version=None, account="acct_1Connected", payload=body, object_id=SUB["id"])
 
 
 def test_a_platform_notification_has_no_account():
@@ -204,3 +204,8 @@ def test_a_related_object_url_other_than_an_api_path_under_v1_is_refused(case):
 def test_an_api_path_under_v1_is_accepted(url):
     n = notification(related_object={"id": url.rsplit("/", 1)[1], "type": "x", "url": url})
     assert parse_notification(body_of(n).encode()).id == n["id"]
+
+
+def test_a_notification_records_the_object_it_is_about_and_no_customer():
+    recorded = parse_notification(body_of(notification()).encode())
+    assert (recorded.object_id, recorded.customer_id) == (SUB["id"], None)
