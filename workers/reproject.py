@@ -55,9 +55,11 @@ from workers.writers import RENDERED, LiveWriter, MemoryWriter, SliceWriter, Wri
 # The modules whose handlers write only billing's tables: the ones a rebuild runs.
 PROJECTED_MODULES = ("workers.billing.handlers",)
 SLICE = 2000
-# The main pass's processes: one per core. Each part's Python and its Postgres session take turns, so one
-# process keeps one core busy at most (100,000 events on 2 cores: 16.5 s with one part, 9.5 s with two).
-PARTS = max(1, os.cpu_count() or 1)
+# The main pass's processes. Each part's Python and its Postgres session take turns, so one part keeps one
+# core busy at most: with spare cores, more parts go faster (100,000 events alone on 2 cores: 16.5 s with one
+# part, 9.5 s with two). Beside live traffic on 2 cores there are none: two parts ran no faster, and the
+# acknowledgements' p99 rose (docs/reprojection.md, "Parts").
+PARTS = 1
 # A build, or an apply before it takes the lock, catches up until one pass found this few events.
 CATCHUP_FEW = 200
 SWITCH_TRIES = 20

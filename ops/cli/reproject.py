@@ -81,7 +81,7 @@ def reproject():
 @reproject.command("start")
 @slice_option
 @click.option("--parts", type=click.IntRange(1, 64), default=None,
-              help="Processes for the main pass, each taking the events of its share of customers (default: one per core).")
+              help="Processes for the main pass, each taking the events of its share of customers (default 1: more help only where cores are spare).")
 @json_option
 @click.pass_obj
 def reproject_start(obj: _Context, slice_size: int | None, parts: int | None, as_json: bool):
