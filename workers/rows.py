@@ -115,6 +115,10 @@ class Table:
             raise ValueError(f"{self.name}: a latest-row table stamps source_event_id and source_event_created")
         if self.kind == SET and (not self.scope or set(self.scope) - set(self.columns)):
             raise ValueError(f"{self.name}: a set table names its scope among its columns")
+        if self.owner and ("account" not in self.owner or set(self.owner) - {"account", "livemode"}
+                           or set(self.owner) - set(self.stamp)):
+            # billing.same_owner (migration 0006) compares an account and, where the table has one, a mode.
+            raise ValueError(f"{self.name}: owner is account, or account and livemode, both stamped")
         object.__setattr__(self, "all_columns", tuple(self.columns) + tuple(c for c in self.stamp
                                                                             if c not in self.columns))
         if self.source is None and self.kind == LATEST:
@@ -170,7 +174,8 @@ OrderKey = tuple  # (created, event id, sequence in the batch)
 
 
 @dataclass
-class _Upsert:
+class _RowChange:
+    """A row an event writes: an upsert's or an append's."""
     order: OrderKey
     event: str
     table: Table
@@ -178,13 +183,12 @@ class _Upsert:
     row: dict[str, Any]
 
 
-@dataclass
-class _Append:
-    order: OrderKey
-    event: str
-    table: Table
-    key: tuple
-    row: dict[str, Any]
+class _Upsert(_RowChange):
+    pass
+
+
+class _Append(_RowChange):
+    pass
 
 
 @dataclass
