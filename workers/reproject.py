@@ -317,7 +317,7 @@ class Reprojection:
                 rows_of = writer.rows_for(event_id="reprojection_kept", created=NEVER, account=None, livemode=False)
                 for derivation, groups in regroup.items():
                     for group in sorted(groups, key=str):
-                        rows_of.derive(derivation, group, again=True)
+                        rows_of.derive(derivation, group)
                 writer.flush()
 
     def _groups(self, conn: psycopg.Connection, table: Table, by: str, rows: list[dict]) -> set:

@@ -207,7 +207,6 @@ class _Derive:
     order: OrderKey
     derivation: Derivation
     group: Any
-    again: bool = False  # written even if the source rows it is derived from did not change
 
 
 @dataclass
@@ -339,12 +338,11 @@ class EventRows:
                                             table, tuple(scope_row[c] for c in table.scope), scope_row, members,
                                             guarded))
 
-    def derive(self, derivation: Derivation, group: Any, *, again: bool = False) -> None:
+    def derive(self, derivation: Derivation, group: Any) -> None:
         """Recompute ``derivation``'s set of ``group`` once this batch's writes are known. It is written only when
-        it differs from the set the group's stored rows give (which is the stored set: every write of those rows
-        derives it), unless ``again`` (a set that may not be the stored rows' yet: a rebuild's kept rows)."""
-        self._changes.items.append(_Derive(self._changes.next_order(self.created, self.event_id), derivation, group,
-                                           again))
+        it differs from the stored set (read once per batch), so a set that drifted from its source rows, or a
+        rebuild's kept rows, is written again by the next event that derives it."""
+        self._changes.items.append(_Derive(self._changes.next_order(self.created, self.event_id), derivation, group))
 
     def on_change(self, table: Table, group: Any, fn: Callable[[list[dict], list[dict]], None]) -> None:
         """Once the batch's sets are known: ``fn(before, after)``, ``group``'s rows of ``table`` before the
@@ -400,6 +398,7 @@ def needs(changes: list[Change]) -> Needs:
             d = change.derivation
             tracked.add(d.source)
             found.groups.setdefault((d.source, d.by), set()).add(change.group)
+            found.sets.setdefault(d.table, set()).add(change.group)  # written only if it differs from these
         elif isinstance(change, _Watch):
             found.sets.setdefault(change.table, set()).add(change.group)
     for change in changes:
@@ -452,7 +451,7 @@ def plan(changes: list[Change], stored: Stored) -> Plan:
     outcome: dict[tuple[str, Table, tuple], tuple[dict | None, bool]] = {}
     once: dict[Table, dict[tuple, dict]] = {}
     sets: dict[Table, dict[tuple, tuple[dict, list]]] = {}
-    derive: dict[Derivation, dict[Any, bool]] = {}  # the groups to derive, and whether to write them again
+    derive: dict[Derivation, set[Any]] = {}  # the groups to derive
     watch: dict[tuple[Table, Any], _Watch] = {}
     for change in ordered:
         if isinstance(change, _Upsert):
@@ -483,21 +482,22 @@ def plan(changes: list[Change], stored: Stored) -> Plan:
                 continue  # a newer replacement of this scope was applied already
             sets.setdefault(change.table, {})[change.scope] = (change.scope_row, change.rows)
         elif isinstance(change, _Derive):
-            groups = derive.setdefault(change.derivation, {})
-            groups[change.group] = groups.get(change.group, False) or change.again
+            derive.setdefault(change.derivation, set()).add(change.group)
         else:
             watch[(change.table, change.group)] = change
     for derivation, groups in derive.items():
+        table = derivation.table
         after = _by_group(derivation, state.get(derivation.source, {}), groups)
-        before = _by_group(derivation, stored.latest.get(derivation.source, {}), groups)
-        for group, again in groups.items():
+        held: dict[tuple, set[tuple]] = {}
+        for row in stored.sets.get(table, []):
+            held.setdefault(tuple(row[c] for c in table.scope), set()).add(table.key_of(row))
+        for group in sorted(groups, key=str):
             scope_row = derivation.scope(group)
-            scope = tuple(scope_row[c] for c in derivation.table.scope)
+            scope = tuple(scope_row[c] for c in table.scope)
             members = [{**scope_row, **r} for r in derivation.rule(group, after.get(group, []))]
-            if not again and _keys(derivation.table, members) == _keys(derivation.table, [
-                    {**scope_row, **r} for r in derivation.rule(group, before.get(group, []))]):
-                continue  # what the stored rows give already: the stored set, written when they were
-            sets.setdefault(derivation.table, {})[scope] = (scope_row, members)
+            if _keys(table, members) == held.get(scope, set()):
+                continue
+            sets.setdefault(table, {})[scope] = (scope_row, members)
     for table, kept in newest.items():
         tracked = state.get(table)
         if tracked is None:

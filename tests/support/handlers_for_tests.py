@@ -34,6 +34,8 @@ registering one more ``customer.subscription.*`` handler that requires
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import time
 
@@ -81,11 +83,9 @@ def crash_before_commit(ctx: ApplyContext) -> None:
         # A real billing write in the same transaction, through the built-in handler.
         from workers.billing.handlers import apply_subscription
 
-        apply_subscription(ApplyContext(conn=ctx.conn, event_id=ctx.event_id,
-                                        event_type="customer.subscription.updated", created=ctx.created,
-                                        livemode=ctx.livemode, account=ctx.account,
-                                        event={**ctx.event, "data": {"object": sub}}, attempt=ctx.attempt))
-    _effect(ctx)
+        apply_subscription(dataclasses.replace(ctx, event_type="customer.subscription.updated",
+                                               event={**ctx.event, "data": {"object": sub}}))
+    _effect(ctx)  # raw SQL: the rows above are written first (RowsFirst), so they are in the transaction
     if ctx.attempt <= int(ctx.object.get("crash_attempts", 1)):
         marker = ctx.object["marker"]
         tmp = f"{marker}.tmp"
