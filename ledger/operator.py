@@ -56,6 +56,11 @@ class OperatorLedger:
                 "attempts": self._all(SQL.event_attempts, params), "audit": self._all(SQL.event_audit, params),
                 "snapshot_twins": [row["snapshot_event_id"] for row in self._all(SQL.event_snapshot_twins, params)]}
 
+    def object_events(self, object_id: str) -> list[dict[str, Any]]:
+        """The events of one Stripe object (``own``) and, for a customer, of its other objects, in Stripe's
+        order, each with its payload, deliveries and replays (``ledgerctl objects show``)."""
+        return self._all(SQL.object_events, {"id": object_id})
+
     def ids_for_replay(self, query: EventQuery, *, page: int = 500) -> Iterator[str]:
         where, params = query.where()
         statement = pg_sql.SQL(SQL.events_ids_after).format(where=where)

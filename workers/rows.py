@@ -339,9 +339,10 @@ class EventRows:
                                             guarded))
 
     def derive(self, derivation: Derivation, group: Any) -> None:
-        """Recompute ``derivation``'s set of ``group`` once this batch's writes are known. It is written only when
-        it differs from the stored set (read once per batch), so a set that drifted from its source rows, or a
-        rebuild's kept rows, is written again by the next event that derives it."""
+        """Recompute ``derivation``'s set of ``group`` once this batch's writes are known, and write it: a set that
+        drifted from its source rows, or a rebuild's kept rows, is written again by the next event that derives
+        it. Where the stored set is read anyway (an ``on_change`` of the group), it is written only if it differs;
+        otherwise writing what is there already costs less than reading it first (no statement of its own)."""
         self._changes.items.append(_Derive(self._changes.next_order(self.created, self.event_id), derivation, group))
 
     def on_change(self, table: Table, group: Any, fn: Callable[[list[dict], list[dict]], None]) -> None:
@@ -398,7 +399,6 @@ def needs(changes: list[Change]) -> Needs:
             d = change.derivation
             tracked.add(d.source)
             found.groups.setdefault((d.source, d.by), set()).add(change.group)
-            found.sets.setdefault(d.table, set()).add(change.group)  # written only if it differs from these
         elif isinstance(change, _Watch):
             found.sets.setdefault(change.table, set()).add(change.group)
     for change in changes:
@@ -495,8 +495,8 @@ def plan(changes: list[Change], stored: Stored) -> Plan:
             scope_row = derivation.scope(group)
             scope = tuple(scope_row[c] for c in table.scope)
             members = [{**scope_row, **r} for r in derivation.rule(group, after.get(group, []))]
-            if _keys(table, members) == held.get(scope, set()):
-                continue
+            if (table, group) in watch and _keys(table, members) == held.get(scope, set()):
+                continue  # the stored set (read for on_change) already: nothing to write
             sets.setdefault(table, {})[scope] = (scope_row, members)
     for table, kept in newest.items():
         tracked = state.get(table)

@@ -29,6 +29,20 @@ def json_source(table: Table, schema: str | None, param: str) -> sql.Composed:
         rel=relation(table, schema), param=sql.Placeholder(param))
 
 
+def rows_where(table: Table, column: str) -> sql.Composed:
+    """The rows whose ``column`` is ``%(value)s``, each as one JSON object of the columns handlers write
+    (``row``): what an object's page compares."""
+    return sql.SQL("SELECT to_jsonb(x) AS row FROM (SELECT {cols} FROM {rel} WHERE {column} = {value}) AS x").format(
+        cols=_columns(table.all_columns), rel=relation(table), column=sql.Identifier(column),
+        value=sql.Placeholder("value"))
+
+
+def as_stored(table: Table) -> sql.Composed:
+    """Rows sent as a JSON array (``%(rows)s``) as ``rows_where`` gives stored ones: typed by the table."""
+    return sql.SQL("SELECT to_jsonb(x) AS row FROM (SELECT {cols} FROM {rows}) AS x").format(
+        cols=_columns(table.all_columns), rows=json_source(table, None, "rows"))
+
+
 def _columns(names) -> sql.Composed:
     return sql.SQL(", ").join(map(sql.Identifier, names))
 

@@ -35,7 +35,7 @@ def _json_default(value: Any) -> Any:
     return jsoncodec.isoformat(value)
 
 
-def _json(rows: list[dict[str, Any]]) -> str:
+def rows_json(rows: list[dict[str, Any]]) -> str:
     return jsoncodec.dumps(rows, default=_json_default)
 
 
@@ -140,7 +140,7 @@ class LiveWriter(_SqlWriter):
         params: dict[str, str] = {}
 
         def add(op: str, table: Table, value: list[dict]) -> None:
-            params[f"p{len(parts)}"] = _json(value)
+            params[f"p{len(parts)}"] = rows_json(value)
             parts.append((op, table))
 
         # Tables in one order, whatever order the batch met them in: one statement text per set of tables.

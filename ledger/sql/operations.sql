@@ -123,3 +123,20 @@ SELECT count(*) AS prunable
   FROM ledger.events
  WHERE status = 'processed' AND payload IS NOT NULL
    AND processed_at < now() - make_interval(secs => %(older_than_s)s)
+
+-- name: object_events
+-- ledgerctl objects show: the events whose data.object is the object (``own``) and, for a
+-- customer, the events of its other objects (its subscriptions' and invoices', by the customer id
+-- recorded with them): a customer's rows are derived from those too. In Stripe's order, with what
+-- an operator asks of each. The ids are recorded with each event since migration 0016; an event
+-- recorded before that is found by its payload.
+SELECT e.id, e.type, e.status, e.attempts, e.failure_reason, e.last_error, e.stripe_created, e.livemode,
+       e.account, e.api_version, e.payload, e.applied_object, e.applied_api_version, e.applied_as,
+       coalesce(e.object_id, e.payload -> 'data' -> 'object' ->> 'id') = %(id)s AS own,
+       (SELECT count(*) FROM ledger.deliveries d WHERE d.event_id = e.id) AS deliveries,
+       (SELECT count(*) FROM ledger.audit a WHERE a.event_id = e.id AND a.action = 'replay') AS replays
+  FROM ledger.events e
+ WHERE e.object_id = %(id)s OR e.customer_id = %(id)s
+    OR (e.object_id IS NULL AND (e.payload -> 'data' -> 'object' ->> 'id' = %(id)s
+                                 OR e.payload -> 'data' -> 'object' ->> 'customer' = %(id)s))
+ ORDER BY e.stripe_created, e.id

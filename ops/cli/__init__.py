@@ -12,7 +12,7 @@ import click
 
 from ledger.errors import ConfigError, LedgerError
 # Importing a command group's module registers its commands on ``cli``.
-from ops.cli import console, events, outbox, reproject, retention, stripe  # noqa: F401
+from ops.cli import console, events, objects, outbox, reproject, retention, stripe  # noqa: F401
 from ops.cli.base import cli
 
 

@@ -65,17 +65,24 @@ def test_a_same_second_tie_is_broken_by_the_event_id_the_same_way_every_time():
         assert writer.tables()["billing.subscriptions"][0]["source_event_id"] == "evt_y"
 
 
-def test_a_derived_set_is_written_when_it_changes_and_not_when_it_stays():
+def test_a_derived_set_is_written_again_so_a_drifted_one_heals_and_a_watched_one_only_when_it_changes():
     writer = MemoryWriter()
     record(writer, "evt_a", 1, "trialing")
     writer.flush()
     assert [r["feature"] for r in writer.tables()["billing.entitlements"]] == ["seats"]
-    record(writer, "evt_b", 2, "active")  # trialing and active both grant: nothing to write
-    items = writer.changes.items[:]
-    stored = writer.read(needs(items))
-    assert ENTITLEMENTS not in plan(items, stored).sets
+    writer.sets[ENTITLEMENTS].clear()  # drifted from its source rows
+    record(writer, "evt_b", 2, "active")  # trialing and active both grant: the same set, written again
     writer.flush()
-    record(writer, "evt_c", 3, "canceled")
+    assert [r["feature"] for r in writer.tables()["billing.entitlements"]] == ["seats"]
+
+    # An on_change of the customer reads the stored set anyway: an unchanged set is then not written.
+    record(writer, "evt_c", 3, "active")
+    writer.rows_for(event_id="evt_c", created=at(3), account=None, livemode=False).on_change(
+        ENTITLEMENTS, "cus_1", lambda before, after: None)
+    items = writer.changes.items[:]
+    assert ENTITLEMENTS not in plan(items, writer.read(needs(items))).sets
+    writer.flush()
+    record(writer, "evt_d", 4, "canceled")
     writer.flush()
     assert writer.tables().get("billing.entitlements", []) == []
 
