@@ -357,6 +357,37 @@ def event(event_id: str):
                            payload=pretty, timeline=timeline, form=ReplayOneForm())
 
 
+@bp.get("/objects")
+@login_required
+def find_object():
+    """The search box: any Stripe id; an event's opens the event, any other the object's page."""
+    from workers.object_view import object_id
+
+    found = object_id(request.args.get("id", "").strip())
+    if found.startswith("evt_"):
+        return redirect(url_for(".event", event_id=found))
+    return redirect(url_for(".object_page", object_id=found))
+
+
+@bp.get("/objects/<object_id>")
+@login_required
+def object_page(object_id: str):
+    """One object: its events, its rows live beside rebuilt, and Stripe's when asked (?stripe=1, a button:
+    the fetch runs outside any transaction, its failure shown on the page)."""
+    from workers.object_view import ObjectView, object_id as checked
+    from workers.registry import load_handlers
+    from workers.stripe_api import StripeApi
+
+    settings = current_app.config["LEDGER"]
+    checked(object_id)
+    stripe = request.args.get("stripe") == "1"
+    story = ObjectView(_ledger("pool"), load_handlers(settings), stripe_api=lambda: StripeApi(settings)).show(
+        object_id, stripe=stripe)
+    if story is None:
+        abort(404, f"{object_id} is not in the ledger")
+    return render_template("object.html", story=story, stripe=stripe)
+
+
 @bp.post("/events/<event_id>/replay")
 @requires_operator
 def replay_event(event_id: str):

@@ -275,3 +275,33 @@ def test_an_operator_reads_a_rebuilds_diff_and_applies_it(browser, console, kit,
     submit(browser, browser.find_element(By.CSS_SELECTOR, "#reprojection-apply button"))
     assert "applied" in text(browser, "rebuild-state") and "console:olga" in text(browser, "reprojection-audit")
     assert rp.tables(kit.query) != buggy
+
+
+def test_an_operator_searches_an_id_and_reads_its_story_live_beside_rebuilt(browser, console, kit):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    history = SubscriptionHistory(start=1_700_000_000).lifecycle()
+    processor = kit.processor()
+    for evt_id in kit.record_many(history.events[:9]):
+        assert processor.process(evt_id) is Outcome.PROCESSED
+    kit.execute("UPDATE billing.subscriptions SET status = 'past_due' WHERE id = %s", (history.subscription_id,))
+
+    log_in(browser, console.url, "vera")
+    search = browser.find_element(By.ID, "find-id")
+    search.send_keys(history.subscription_id)
+    search.send_keys(Keys.ENTER)
+    WebDriverWait(browser, 30).until(lambda d: f"/objects/{history.subscription_id}" in d.current_url)
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#object-events tr")) == 1 + 5  # its five events
+    assert "differs in status" in browser.page_source
+    status = browser.find_element(By.CSS_SELECTOR, 'table[data-table="billing.subscriptions"] tr.differs')
+    assert [c.text for c in status.find_elements(By.TAG_NAME, "td")] == ["status", '"past_due"', '"active"']
+    shot(browser, "object")
+    browser.find_element(By.LINK_TEXT, history.customer_id).click()
+    WebDriverWait(browser, 30).until(lambda d: f"/objects/{history.customer_id}" in d.current_url)
+    assert history.subscription_id in text(browser, "links")
+
+    search = browser.find_element(By.ID, "find-id")
+    search.send_keys("cus_nobodyhere")
+    search.send_keys(Keys.ENTER)
+    WebDriverWait(browser, 30).until(lambda d: "not in the ledger" in d.page_source)

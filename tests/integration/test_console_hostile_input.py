@@ -66,7 +66,8 @@ def refused_with_a_reason(answer) -> bool:
     "/events?after=2026-01-01T00:00|%00", "/events/%00", "/events?id=%00%ff", "/replay?id=%00",
     "/events?until=0001-01-01T00:00", "/replay?status=failed_permanent&until=0001-01-01T00:00",
     "/events?since=0001-01-01T00:00%2B14:00", "/events?until=9999-12-31T23:59:59-14:00", "/events?%00=x",
-    "/events?size=" + "9" * 5000, "/outbox?status=%00",
+    "/events?size=" + "9" * 5000, "/outbox?status=%00", "/objects?id=%00", "/objects/%00", "/objects/cus_" + "a" * 10_000,
+    "/objects?id=not%20an%20id", "/objects/cus_a%20b", "/objects?id=cus_" + "a" * 10_000,
 ])
 def test_hostile_query_values_are_a_400_with_the_reason(app, path):
     answer = client_for(app, "olga").get(path)
@@ -131,7 +132,8 @@ def test_every_filter_of_an_event_query_is_refused_with_a_reason_or_runs(kit, pl
 
 @PROPERTY
 @given(route=st.sampled_from(["/events", "/replay", "/outbox", "/", "/failures", "/replay/jobs", "/drift",
-                              "/health-alerts", "/events/{}", "/replay/jobs/{}", "/login?next={}"]),
+                              "/health-alerts", "/events/{}", "/replay/jobs/{}", "/login?next={}", "/objects",
+                              "/objects/{}", "/objects/{}?stripe=1"]),
        query=st.dictionaries(st.sampled_from(FILTER_ARGS), encoded, max_size=6), segment=encoded)
 def test_every_console_page_answers_any_query_without_a_500(operator, route, query, segment):
     answer = operator[0].get(route.format(segment) + "?" + "&".join(f"{k}={v}" for k, v in query.items()))

@@ -4,6 +4,7 @@ A planted wrong row shows live ≠ rebuilt = Stripe; a missed event shows live =
 unknown id is "not in the ledger" (exit 1); a hostile id is refused (exit 2) before any read."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -114,3 +115,34 @@ def test_an_event_id_opens_the_event_and_an_unknown_id_is_not_in_the_ledger(kit,
 def test_a_hostile_id_is_refused_with_a_message(kit, ledgerctl_cli, hostile):
     result = ledgerctl_cli("objects", "show", hostile, code=2)
     assert result.stderr.strip() and "Traceback" not in result.output
+
+
+# -- the console's object page -------------------------------------------------------------------
+
+from tests.support.console import app, client_for, console_settings  # noqa: E402,F401
+
+
+def test_the_console_finds_an_object_by_its_id_and_marks_what_differs(kit, app, fake_stripe, monkeypatch):  # noqa: F811
+    process(kit, HISTORY.events[:9])
+    kit.execute("UPDATE billing.subscriptions SET status = 'past_due' WHERE id = %s", (HISTORY.subscription_id,))
+    client = client_for(app, "vera")  # a viewer reads it
+
+    found = client.get(f"/objects?id={HISTORY.subscription_id}")
+    assert found.status_code == 302 and found.headers["Location"].endswith(f"/objects/{HISTORY.subscription_id}")
+    assert client.get(f"/objects?id={HISTORY.events[0]['id']}").headers["Location"].endswith(
+        f"/events/{HISTORY.events[0]['id']}")
+
+    page = client.get(f"/objects/{HISTORY.subscription_id}").text
+    assert "differs in status" in page and HISTORY.customer_id in page and 'id="fetch-stripe"' in page
+    assert 'data-side="stripe"' not in page  # fetched only on request
+
+    app.config["LEDGER"] = dataclasses.replace(app.config["LEDGER"], stripe_api_key=fake_stripe.api_key,
+                                               stripe_api_base=fake_stripe.base_url)
+    failed = client.get(f"/objects/{HISTORY.subscription_id}?stripe=1").text  # Stripe has no such object yet
+    assert 'id="stripe-error"' in failed and "404" in failed
+    fake_stripe.put_object(latest_object(HISTORY.events[:9], HISTORY.subscription_id))
+    fetched = client.get(f"/objects/{HISTORY.subscription_id}?stripe=1").text
+    assert 'id="stripe-fetched"' in fetched and fetched.count('data-side="stripe"') >= 1
+
+    missing = client.get("/objects/cus_nobodyhere")
+    assert missing.status_code == 404 and "not in the ledger" in missing.text
