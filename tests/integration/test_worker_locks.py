@@ -71,19 +71,27 @@ def test_a_batch_commits_the_events_whose_objects_are_free_while_another_transac
     busy, free = SubscriptionHistory(start=1_700_000_000), SubscriptionHistory(start=1_700_000_100)
     [busy_id, free_id] = kit.record_many([busy.lifecycle().events[0], free.lifecycle().events[0]])
     processor = kit.processor(modules=(), name="worker-a")
-    holder = kit.ledger("holder")
-    outcomes: list = []
+    outcomes = _batch_while_held(kit, processor, busy.customer_id, [busy_id, free_id], free_id, busy_id)
+    assert outcomes == [Outcome.PROCESSED, Outcome.PROCESSED]
+    assert kit.status(busy_id) == "processed"
 
-    with holder.applying() as tx:
-        assert tx.try_lock([busy.customer_id]) == {busy.customer_id}
-        worker = threading.Thread(target=lambda: outcomes.extend(processor.process_batch([busy_id, free_id])))
+
+def _batch_while_held(kit, processor, held: str, batch: list[str], free_id: str, busy_id: str,
+                      meanwhile=lambda: None) -> list:
+    """``batch`` processed while another transaction holds ``held``: the free event commits meanwhile, the
+    busy one is still processing (``meanwhile`` checks more), then the hold ends and the batch's outcomes
+    are returned."""
+    outcomes: list = []
+    with kit.ledger("holder").applying() as tx:
+        assert tx.try_lock([held]) == {held}
+        worker = threading.Thread(target=lambda: outcomes.extend(processor.process_batch(batch)))
         worker.start()
         wait_until(lambda: kit.status(free_id) == "processed", timeout_s=20,
                    what="the free event to commit while the busy one's customer is held")
         assert kit.status(busy_id) == "processing"
+        meanwhile()
     worker.join(30)
-    assert outcomes == [Outcome.PROCESSED, Outcome.PROCESSED]
-    assert kit.status(busy_id) == "processed"
+    return outcomes
 
 
 def test_a_member_whose_handler_reaches_for_sql_while_its_objects_are_held_runs_its_sql_once_later(kit):
@@ -96,18 +104,11 @@ def test_a_member_whose_handler_reaches_for_sql_while_its_objects_are_held_runs_
     processor = kit.processor(modules=(), name="worker-a")
     processor.registry.register("customer.created", lambda ctx: ctx.conn.execute(
         "INSERT INTO public.raw_sql_runs (event_id) VALUES (%s)", (ctx.event_id,)))
-    holder = kit.ledger("holder")
-    outcomes: list = []
 
-    with holder.applying() as tx:
-        assert tx.try_lock([busy.customer_id]) == {busy.customer_id}
-        worker = threading.Thread(target=lambda: outcomes.extend(processor.process_batch([free_id, busy_id])))
-        worker.start()
-        wait_until(lambda: kit.status(free_id) == "processed", timeout_s=20,
-                   what="the free event to commit while the busy one's customer is held")
-        assert kit.status(busy_id) == "processing"
+    def only_the_free_ones_sql_ran() -> None:
         assert kit.query("SELECT event_id FROM public.raw_sql_runs") == [{"event_id": free_id}]
-    worker.join(30)
+    outcomes = _batch_while_held(kit, processor, busy.customer_id, [free_id, busy_id], free_id, busy_id,
+                                 only_the_free_ones_sql_ran)
     assert outcomes == [Outcome.PROCESSED, Outcome.PROCESSED]
     runs = kit.query("SELECT event_id, count(*) AS n FROM public.raw_sql_runs GROUP BY 1 ORDER BY 1")
     assert runs == sorted([{"event_id": free_id, "n": 1}, {"event_id": busy_id, "n": 1}], key=lambda r: r["event_id"])

@@ -56,7 +56,8 @@ def test_the_installed_packages_are_the_product_alone():
 def test_the_only_installed_ops_module_is_the_cli():
     assert sorted(p.name for p in (ROOT / "ops").glob("*.py")) == ["__init__.py"]
     assert sorted(p.name for p in (ROOT / "ops" / "cli").glob("*.py")) == [
-        "__init__.py", "base.py", "console.py", "events.py", "outbox.py", "reproject.py", "retention.py", "stripe.py"]
+        "__init__.py", "base.py", "console.py", "events.py", "objects.py", "outbox.py", "reproject.py", "retention.py",
+        "stripe.py"]
 
 
 @pytest.mark.parametrize("module", sorted(installed_modules()))
