@@ -7,9 +7,10 @@ For any object id the ledger has seen (``ledgerctl objects show``):
   view also rebuilds from the events of its other objects, since its entitlements derive from
   its subscriptions;
 * per billing table that holds it, each row **live** (as it is now), **rebuilt** (what today's
-  rebuilt handlers make of those events, in memory: workers/reproject.py's ``object_rows``,
-  nothing written) and, on request only, **Stripe** (the object fetched from the API now,
-  mapped as a backfill maps it, outside any transaction; a failed fetch is shown, not raised);
+  rebuilt handlers make of its processed events, as a rebuild takes them, in memory:
+  workers/reproject.py's ``object_rows``, nothing written) and, on request only, **Stripe** (the
+  object fetched from the API now, mapped as a backfill maps it, outside any transaction; a failed
+  fetch is shown, not raised);
 * the objects it is linked to, both ways (a customer's subscriptions and invoices, a
   subscription's customer and invoices).
 
@@ -30,10 +31,11 @@ from ledger import inputs
 from ledger.db import ProcessPool
 from ledger.operator import OperatorLedger
 from ledger.reprojection import StoredEvent
+from ledger.states import EventStatus
 from workers import rowsql
 from workers.billing.snapshots import write_object
-from workers.billing.tables import (CHECKOUT_SESSIONS, CUSTOMERS, ENTITLEMENT_SUMMARIES, ENTITLEMENTS, INVOICES, OBJECTS,
-                                    SUBSCRIPTIONS, TRANSITIONS)
+from workers.billing.tables import (CHECKOUT_SESSIONS, CUSTOMERS, ENTITLEMENT_SUMMARIES, ENTITLEMENTS, INVOICES,
+                                    OBJECTS, SUBSCRIPTIONS, TRANSITIONS)
 from workers.registry import HandlerRegistry
 from workers.reproject import object_rows
 from workers.rows import Table
@@ -75,7 +77,10 @@ class ObjectView:
         """The object's events, rows and links; None when the ledger has neither an event nor a row of it."""
         found = OperatorLedger(self._pool).object_events(object_id)
         events = [e for e in found if e["own"]]
-        rebuilt = object_rows(self._registry, [_stored(e) for e in found])
+        # As a rebuild: from processed events only. One still waiting or failing is in the list, with its
+        # status, and not in the rebuilt rows (live = rebuilt then, until a worker applies it).
+        applied = [_stored(e) for e in found if e["status"] == EventStatus.PROCESSED.value]
+        rebuilt = object_rows(self._registry, applied)
         with self._pool.get().connection() as conn:
             live = {table: _rows(conn, table, column, object_id) for table, column in HOLDERS}
             if not events and not any(live.values()):
@@ -94,7 +99,7 @@ class ObjectView:
                     tables.append({"table": table.name, "key": list(table.key), "rows": _side_by_side(table, sides)})
             links = _links(conn, object_id, live)
         return {"id": object_id, "object": object_type, "events": [_listed(e) for e in events], "tables": tables,
-                "links": links, "stripe": fetched, "rebuilt_from": len(found)}
+                "links": links, "stripe": fetched, "rebuilt_from": len(applied)}
 
     def _fetch(self, object_type: str | None, object_id: str, events: list[dict]) -> dict[str, Any]:
         """Stripe's object now, or why not: never raised, so the rest of the page still shows."""

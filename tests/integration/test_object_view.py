@@ -97,7 +97,8 @@ def test_a_missed_event_shows_live_and_rebuilt_unlike_stripe(kit, ledgerctl_cli,
 
 def test_a_failed_fetch_is_shown_and_the_rest_of_the_story_still_is(kit, ledgerctl_cli, fake_stripe):  # noqa: F811
     process(kit, HISTORY.events[:3])
-    story = show(ledgerctl_cli, HISTORY.subscription_id, "--stripe", env=env_of(fake_stripe))  # Stripe has no such object
+    # Stripe has no such object.
+    story = show(ledgerctl_cli, HISTORY.subscription_id, "--stripe", env=env_of(fake_stripe))
     assert "404" in story["stripe"]["error"] and story["stripe"]["object"] is None
     assert len(story["events"]) == 2 and rows_of(story, "billing.subscriptions")[0]["differs"] == []
 
@@ -146,3 +147,12 @@ def test_the_console_finds_an_object_by_its_id_and_marks_what_differs(kit, app, 
 
     missing = client.get("/objects/cus_nobodyhere")
     assert missing.status_code == 404 and "not in the ledger" in missing.text
+
+
+def test_an_event_not_yet_processed_is_listed_with_its_status_and_left_out_of_the_rebuilt_rows(kit, ledgerctl_cli):
+    process(kit, HISTORY.events[:9])
+    kit.record_many(HISTORY.events[9:])  # the cancellation, received, not yet processed
+    story = show(ledgerctl_cli, HISTORY.subscription_id)
+    assert story["events"][-1]["status"] == "received"
+    [sub] = rows_of(story, "billing.subscriptions")
+    assert sub["differs"] == [] and sub["rebuilt"]["status"] == "active"
