@@ -105,7 +105,6 @@ class ProcessPool:
             # A person waits on each statement (the console): no JIT compile and no parallel workers to
             # start, whose few tens of milliseconds a short indexed statement never wins back.
             options += " -c jit=off -c max_parallel_workers_per_gather=0"
-
         return ConnectionPool(
             self._settings.database_url,
             min_size=1,

@@ -32,15 +32,18 @@ def json_source(table: Table, schema: str | None, param: str) -> sql.Composed:
 def rows_where(table: Table, column: str) -> sql.Composed:
     """The rows whose ``column`` is ``%(value)s``, each as one JSON object of the columns handlers write
     (``row``): what an object's page compares."""
-    return sql.SQL("SELECT to_jsonb(x) AS row FROM (SELECT {cols} FROM {rel} WHERE {column} = {value}) AS x").format(
-        cols=_columns(table.all_columns), rel=relation(table), column=sql.Identifier(column),
-        value=sql.Placeholder("value"))
+    return _as_json_rows(table, sql.SQL("{rel} WHERE {column} = {value}").format(
+        rel=relation(table), column=sql.Identifier(column), value=sql.Placeholder("value")))
 
 
 def as_stored(table: Table) -> sql.Composed:
     """Rows sent as a JSON array (``%(rows)s``) as ``rows_where`` gives stored ones: typed by the table."""
-    return sql.SQL("SELECT to_jsonb(x) AS row FROM (SELECT {cols} FROM {rows}) AS x").format(
-        cols=_columns(table.all_columns), rows=json_source(table, None, "rows"))
+    return _as_json_rows(table, json_source(table, None, "rows"))
+
+
+def _as_json_rows(table: Table, source: sql.Composable) -> sql.Composed:
+    return sql.SQL("SELECT to_jsonb(x) AS row FROM (SELECT {cols} FROM {source}) AS x").format(
+        cols=_columns(table.all_columns), source=source)
 
 
 def _columns(names) -> sql.Composed:

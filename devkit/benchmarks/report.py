@@ -325,8 +325,6 @@ TARGETS_SOURCE = "issue 39"
 PEER_E2E_RATIO_TARGETS = {8: 0.8, 32: 0.9}  # end-to-end events/s against the sync engine's, on Redis
 EVENT_STATEMENTS_TARGET, EVENT_STATEMENTS_LEVEL = 4, 32  # Postgres statements per event on Redis
 BROKER_RATIO_TARGET = 0.85       # RabbitMQ's end-to-end events/s against Redis', at every level
-DRAIN_BROKER_RATIO_TARGET = 0.9  # (drain's own report) drain on Redis against drain on RabbitMQ...
-DRAIN_BUSY_TARGET = 0.9          # ...with the machine this busy while Redis drains
 RECEIVER_COST_TARGET = 1.3       # receiver CPU per request against the minimal WSGI app's
 
 
