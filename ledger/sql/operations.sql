@@ -129,14 +129,18 @@ SELECT count(*) AS prunable
 -- customer, the events of its other objects (its subscriptions' and invoices', by the customer id
 -- recorded with them): a customer's rows are derived from those too. In Stripe's order, with what
 -- an operator asks of each. The ids are recorded with each event since migration 0016; an event
--- recorded before that is found by its payload.
+-- recorded before that is found by its payload. Each way of naming the object is a branch of its own,
+-- so each reads its index (migration 0017) instead of one OR reading the ledger.
+WITH found AS (
+    SELECT id, stripe_created FROM ledger.events WHERE object_id = %(id)s AND object_id IS NOT NULL
+    UNION SELECT id, stripe_created FROM ledger.events WHERE customer_id = %(id)s AND customer_id IS NOT NULL
+    UNION SELECT id, stripe_created FROM ledger.events WHERE payload -> 'data' -> 'object' ->> 'id' = %(id)s AND object_id IS NULL
+    UNION SELECT id, stripe_created FROM ledger.events WHERE payload -> 'data' -> 'object' ->> 'customer' = %(id)s AND object_id IS NULL
+)
 SELECT e.id, e.type, e.status, e.attempts, e.failure_reason, e.last_error, e.stripe_created, e.livemode,
        e.account, e.api_version, e.payload, e.applied_object, e.applied_api_version, e.applied_as,
        coalesce(e.object_id, e.payload -> 'data' -> 'object' ->> 'id') = %(id)s AS own,
        (SELECT count(*) FROM ledger.deliveries d WHERE d.event_id = e.id) AS deliveries,
        (SELECT count(*) FROM ledger.audit a WHERE a.event_id = e.id AND a.action = 'replay') AS replays
-  FROM ledger.events e
- WHERE e.object_id = %(id)s OR e.customer_id = %(id)s
-    OR (e.object_id IS NULL AND (e.payload -> 'data' -> 'object' ->> 'id' = %(id)s
-                                 OR e.payload -> 'data' -> 'object' ->> 'customer' = %(id)s))
+  FROM ledger.events e JOIN found USING (id, stripe_created)
  ORDER BY e.stripe_created, e.id

@@ -14,7 +14,8 @@ from ops.cli.base import (_Context, _actor, _duration_s, _echo_json, _found, _pl
 @click.option("--check", is_flag=True, help="Only report pending migrations; exit 1 if any.")
 @click.pass_obj
 def migrate(obj: _Context, check: bool):
-    """Create or upgrade the ledger and billing schemas (idempotent, additive)."""
+    """Create or upgrade the ledger and billing schemas (idempotent, additive; an index on a large table is
+    built concurrently, and says so)."""
     from ledger import migrate as migrations
 
     if check:
@@ -22,7 +23,7 @@ def migrate(obj: _Context, check: bool):
         for m in todo:
             click.echo(f"pending {m.version:04d}_{m.name}")
         sys.exit(1 if todo else 0)
-    applied = migrations.migrate(obj.settings.database_url)
+    applied = migrations.migrate(obj.settings.database_url, say=click.echo)
     for m in applied:
         click.echo(f"applied {m.version:04d}_{m.name}")
     click.echo(f"schema up to date ({len(applied)} applied)")

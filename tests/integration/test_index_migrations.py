@@ -1,0 +1,148 @@
+"""Migrations run outside a transaction (ledger/index_builds.py): an index built while the receiver
+writes, one interrupted mid-build and built again, and one on a partitioned ledger."""
+from __future__ import annotations
+
+import threading
+import time
+
+import psycopg
+import pytest
+
+from ledger.errors import MigrationError
+from ledger.index_builds import parse
+from ledger.migrate import available_migrations, migrate, pending
+from ledger.partition_migration import PartitionMigration
+
+INDEX_MIGRATION = next(m for m in available_migrations() if not m.in_transaction)
+BEFORE = INDEX_MIGRATION.version - 1
+OBJECT_INDEX = "events_object_idx"
+
+
+def _insert_event(conn, n: int) -> None:
+    conn.execute("INSERT INTO ledger.events (id, type, stripe_created, livemode, payload, object_id) "
+                 "VALUES (%s, 'customer.updated', now(), false, '{}'::json, %s)", (f"evt_idx{n}", f"cus_{n}"))
+
+
+def _validity(url: str, name: str):
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)",
+                           (f"ledger.{name}",)).fetchone()
+    return None if row is None else row[0]
+
+
+def _build_backend(url: str, timeout: float = 20.0) -> int:
+    """The pid of the session building an index, once it is building (waiting on a writer counts)."""
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(url, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            row = conn.execute("SELECT pid FROM pg_stat_progress_create_index WHERE datname = current_database()"
+                               ).fetchone()
+            if row:
+                return row[0]
+            time.sleep(0.05)
+    raise AssertionError("no index build started")
+
+
+@pytest.fixture
+def ledger_before_the_index(fresh_db):
+    migrate(fresh_db, upto=BEFORE)
+    with psycopg.connect(fresh_db, autocommit=True) as conn:
+        for n in range(50):
+            _insert_event(conn, n)
+    return fresh_db
+
+
+def test_the_receiver_inserts_while_the_index_is_built(ledger_before_the_index):
+    url = ledger_before_the_index
+    writer = psycopg.connect(url)
+    _insert_event(writer, 1000)  # a transaction in flight: the build waits for it to end
+    said: list[str] = []
+    build = threading.Thread(target=lambda: migrate(url, say=said.append))
+    build.start()
+    try:
+        _build_backend(url)
+        with psycopg.connect(url, autocommit=True) as receiver:
+            receiver.execute("SET lock_timeout = '2s'")  # an index built in a transaction would hold this
+            _insert_event(receiver, 1001)
+    finally:
+        writer.commit()
+        writer.close()
+        build.join(60)
+
+    assert _validity(url, OBJECT_INDEX) is True
+    assert pending(url) == []
+    assert any(f"building index ledger.{OBJECT_INDEX} on ledger.events" in line and "concurrently" in line
+               for line in said), said
+
+
+def test_a_build_interrupted_midway_is_found_invalid_and_built_again(ledger_before_the_index):
+    url = ledger_before_the_index
+    writer = psycopg.connect(url)
+    _insert_event(writer, 1000)
+    failed: list[Exception] = []
+
+    def run():
+        try:
+            migrate(url)
+        except Exception as exc:  # noqa: BLE001 - what the interruption gives is asserted below
+            failed.append(exc)
+
+    build = threading.Thread(target=run)
+    build.start()
+    try:
+        with psycopg.connect(url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (_build_backend(url),))
+    finally:
+        writer.rollback()
+        writer.close()
+        build.join(60)
+
+    assert failed and isinstance(failed[0], psycopg.OperationalError)
+    assert _validity(url, OBJECT_INDEX) is False  # what an interrupted concurrent build leaves
+    assert [m.version for m in pending(url)] == [m.version for m in available_migrations() if m.version > BEFORE]
+
+    said: list[str] = []
+    migrate(url, say=said.append)
+
+    assert _validity(url, OBJECT_INDEX) is True
+    assert pending(url) == []
+    assert any("INVALID" in line and OBJECT_INDEX in line for line in said), said
+
+
+def test_on_a_partitioned_ledger_every_partition_gets_the_index(fresh_db, settings):
+    import dataclasses
+
+    from ledger.db import ProcessPool
+
+    migrate(fresh_db, upto=BEFORE)
+    pool = ProcessPool(dataclasses.replace(settings, database_url=fresh_db), name="partitions")
+    try:
+        assert PartitionMigration(pool).run().status == "done"
+    finally:
+        pool.close()
+
+    migrate(fresh_db)
+
+    with psycopg.connect(fresh_db, autocommit=True) as conn:
+        conn.execute("SELECT ledger.partition_create((date_trunc('month', now()) + interval '6 months')::date)")
+        partitions = {r[0] for r in conn.execute(
+            "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+            "WHERE i.inhparent = 'ledger.events'::regclass")}
+        indexed = {r[0] for r in conn.execute(
+            "SELECT t.relname FROM pg_inherits i JOIN pg_index x ON x.indexrelid = i.inhrelid "
+            "JOIN pg_class t ON t.oid = x.indrelid WHERE i.inhparent = to_regclass('ledger.events_object_idx') "
+            "AND x.indisvalid")}
+    assert len(partitions) > 1
+    assert indexed == partitions  # the later month's too, from the parent
+    assert _validity(fresh_db, OBJECT_INDEX) is True
+
+
+def test_a_migration_outside_a_transaction_holds_only_concurrent_index_builds():
+    with pytest.raises(MigrationError, match="holds only"):
+        parse("CREATE INDEX CONCURRENTLY IF NOT EXISTS a_idx ON ledger.events (id);\n"
+              "ALTER TABLE ledger.events ADD COLUMN x text;")
+    with pytest.raises(MigrationError, match="holds only"):
+        parse("CREATE INDEX a_idx ON ledger.events (id);")  # not concurrent: it would hold writers
+    built = parse("-- why\nCREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS a_idx ON ledger.events (id) WHERE x;")
+    assert [(b.name, b.schema, b.table, b.definition, b.unique) for b in built] == [
+        ("a_idx", "ledger", "events", "(id) WHERE x", True)]
