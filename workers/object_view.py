@@ -81,7 +81,7 @@ class ObjectView:
         applied = [StoredEvent.from_row(e) for e in found if e["status"] == EventStatus.PROCESSED.value]
         rebuilt = object_rows(self._registry, applied)
         with self._pool.get().connection() as conn:
-            live = {table: _rows(conn, table, column, object_id) for table, column in HOLDERS}
+            live = {table: live_rows(conn, table, column, [object_id]) for table, column in HOLDERS}
             if not events and not any(live.values()):
                 return None
             object_type = _object_type(events, live)
@@ -91,11 +91,11 @@ class ObjectView:
             tables = []
             for table, column in HOLDERS:
                 mine = lambda rows: [r for r in rows if r.get(column) == object_id]  # noqa: E731
-                sides = {"live": live[table], "rebuilt": _stored_form(conn, table, mine(rebuilt.get(table.name, [])))}
+                sides = {"live": live[table], "rebuilt": stored_form(conn, table, mine(rebuilt.get(table.name, [])))}
                 if stripe_rows is not None and table.name in stripe_rows:  # a fetch writes no history
-                    sides["stripe"] = _stored_form(conn, table, mine(stripe_rows[table.name]))
+                    sides["stripe"] = stored_form(conn, table, mine(stripe_rows[table.name]))
                 if any(sides.values()):
-                    tables.append({"table": table.name, "key": list(table.key), "rows": _side_by_side(table, sides)})
+                    tables.append({"table": table.name, "key": list(table.key), "rows": side_by_side(table, sides)})
             links = _links(conn, object_id, live)
         return {"id": object_id, "object": object_type, "events": [_listed(e) for e in events], "tables": tables,
                 "links": links, "stripe": fetched, "rebuilt_from": len(applied)}
@@ -141,12 +141,13 @@ def _rows_of_object(obj: dict, account: str | None) -> dict[str, list[dict]]:
     return writer.tables()
 
 
-def _rows(conn, table: Table, column: str, value: str) -> list[dict]:
+def live_rows(conn, table: Table, column: str, values: list[str]) -> list[dict]:
+    """``table``'s rows whose ``column`` is one of ``values``, as the page and a repair compare them."""
     text = RENDERED.get(("object-rows", table.name, column), lambda: rowsql.rows_where(table, column))
-    return [r["row"] for r in conn.cursor(row_factory=dict_row).execute(text, {"value": value})]
+    return [r["row"] for r in conn.cursor(row_factory=dict_row).execute(text, {"values": values})]
 
 
-def _stored_form(conn, table: Table, rows: list[dict]) -> list[dict]:
+def stored_form(conn, table: Table, rows: list[dict]) -> list[dict]:
     """Rows made in memory as Postgres stores them (its types, its text of a time), to compare with live."""
     if not rows:
         return []
@@ -154,7 +155,7 @@ def _stored_form(conn, table: Table, rows: list[dict]) -> list[dict]:
     return [r["row"] for r in conn.cursor(row_factory=dict_row).execute(text, {"rows": rows_json(rows)})]
 
 
-def _side_by_side(table: Table, sides: dict[str, list[dict]]) -> list[dict[str, Any]]:
+def side_by_side(table: Table, sides: dict[str, list[dict]]) -> list[dict[str, Any]]:
     """Per key: each side's row (None where it has none), and the columns whose values differ. Stripe's
     row is compared on the columns handlers map (its order key is the fetch's, not an event's)."""
     keyed: dict[tuple, dict[str, Any]] = {}
@@ -180,5 +181,5 @@ def _links(conn, object_id: str, live: dict[Table, list[dict]]) -> dict[str, lis
                 if row.get(column):
                     links.setdefault(name, set()).add(row[column])
     for table, column, name in LINKS:
-        links.setdefault(name, set()).update(r["id"] for r in _rows(conn, table, column, object_id))
+        links.setdefault(name, set()).update(r["id"] for r in live_rows(conn, table, column, [object_id]))
     return {name: sorted(ids) for name, ids in links.items() if ids}

@@ -524,6 +524,11 @@ def object_rows(registry: HandlerRegistry, events: Iterable[StoredEvent]) -> dic
     """The rows the rebuilt handlers give for ``events`` alone (one object's, say), in Stripe's order, by
     table name: the same mapping and plan as a rebuild, kept in memory, nothing read or written. An event
     that cannot be rebuilt, or whose handlers fail, gives no row."""
+    return object_writer(registry, events).tables()
+
+
+def object_writer(registry: HandlerRegistry, events: Iterable[StoredEvent]) -> MemoryWriter:
+    """``object_rows``' writer, holding the rows and which scopes of each set table were replaced."""
     kept, _ = projected(registry)
     writer = MemoryWriter()
     for event in sorted(events, key=lambda e: (e.created, e.id)):
@@ -536,7 +541,7 @@ def object_rows(registry: HandlerRegistry, events: Iterable[StoredEvent]) -> dic
             writer.changes.rollback(mark)
             continue
         writer.flush()
-    return writer.tables()
+    return writer
 
 
 def _skip_reason(exc: Exception) -> tuple[str, str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from psycopg import sql
 
-from workers.rows import ONCE, SET, Table
+from workers.rows import LATEST, ONCE, SET, Table
 
 OWNER_CHECK = "billing.same_owner"
 
@@ -30,10 +30,10 @@ def json_source(table: Table, schema: str | None, param: str) -> sql.Composed:
 
 
 def rows_where(table: Table, column: str) -> sql.Composed:
-    """The rows whose ``column`` is ``%(value)s``, each as one JSON object of the columns handlers write
-    (``row``): what an object's page compares."""
-    return _as_json_rows(table, sql.SQL("{rel} WHERE {column} = {value}").format(
-        rel=relation(table), column=sql.Identifier(column), value=sql.Placeholder("value")))
+    """The rows whose ``column`` is one of ``%(values)s``, each as one JSON object of the columns handlers
+    write (``row``): what an object's page and a repair compare."""
+    return _as_json_rows(table, sql.SQL("{rel} WHERE {column} = ANY({values})").format(
+        rel=relation(table), column=sql.Identifier(column), values=sql.Placeholder("values")))
 
 
 def as_stored(table: Table) -> sql.Composed:
@@ -54,10 +54,12 @@ def _target(table: Table) -> sql.Composable:
     return sql.SQL(table.conflict) if table.conflict else sql.SQL("({})").format(_columns(table.key))
 
 
-def _guard(table: Table) -> sql.Composable:
-    """The WHERE of an upsert's DO UPDATE: the stored row ``t`` gives way to the change (EXCLUDED)."""
+def _guard(table: Table, *, or_same: bool = False) -> sql.Composable:
+    """The WHERE of an upsert's DO UPDATE: the stored row ``t`` gives way to the change (EXCLUDED), if newer
+    (``or_same``: or written by the same event, which only a repair rewrites)."""
     newer = sql.SQL("(t.source_event_created, t.source_event_id) "
-                    "< (EXCLUDED.source_event_created, EXCLUDED.source_event_id)")
+                    "{op} (EXCLUDED.source_event_created, EXCLUDED.source_event_id)").format(
+        op=sql.SQL("<=" if or_same else "<"))
     if not table.owner:
         return newer
     livemode = sql.SQL("t.livemode, EXCLUDED.livemode") if "livemode" in table.owner else sql.SQL("true, true")
@@ -81,6 +83,35 @@ def write(table: Table, schema: str | None, source: sql.Composable) -> sql.Compo
         assignments.append(sql.SQL("{c} = now()").format(c=sql.Identifier(table.touch)))
     return sql.SQL("{insert} ON CONFLICT {target} DO UPDATE SET {set} WHERE {guard}").format(
         insert=insert, target=_target(table), set=sql.SQL(", ").join(assignments), guard=_guard(table))
+
+
+def repair(table: Table) -> sql.Composed:
+    """A repair's rewrite of some rows (``%(rows)s``, a JSON array) of one object or customer, rebuilt from
+    its events (workers/object_repair.py): an upsert whose guard lets the same event's row be rewritten (a
+    wrong row written by it) but never a newer one's; a once-written or set row is rewritten as given.
+    Returns the keys written."""
+    columns = table.all_columns
+    assignments = [sql.SQL("{c} = EXCLUDED.{c}").format(c=sql.Identifier(c))
+                   for c in columns if c not in table.key and c not in table.owner]
+    if table.touch:
+        assignments.append(sql.SQL("{c} = now()").format(c=sql.Identifier(table.touch)))
+    where = sql.SQL(" WHERE {}").format(_guard(table, or_same=True)) if table.kind == LATEST else sql.SQL("")
+    update = (sql.SQL("DO UPDATE SET {set}{where}").format(set=sql.SQL(", ").join(assignments), where=where)
+              if assignments else sql.SQL("DO NOTHING"))
+    return sql.SQL("INSERT INTO {rel} AS t ({cols}) SELECT {cols} FROM {source} AS s ON CONFLICT {target} "
+                   "{update} RETURNING {key}").format(
+        rel=relation(table), cols=_columns(columns), source=json_source(table, None, "rows"),
+        target=_target(table), update=update, key=_columns(table.key))
+
+
+def repair_delete(table: Table) -> sql.Composed:
+    """A repair's removal of rows (``%(rows)s``, a JSON array of their keys) that its rebuild does not give
+    although their source is one of the events it applied. Returns the keys removed."""
+    same = sql.SQL(" AND ").join(sql.SQL("t.{c} IS NOT DISTINCT FROM s.{c}").format(c=sql.Identifier(c))
+                                 for c in table.key)
+    return sql.SQL("DELETE FROM {rel} AS t USING {source} AS s WHERE {same} RETURNING {key}").format(
+        rel=relation(table), source=json_source(table, None, "rows"), same=same,
+        key=sql.SQL(", ").join(sql.SQL("t.{}").format(sql.Identifier(c)) for c in table.key))
 
 
 def replace_delete(table: Table, schema: str | None, scopes: sql.Composable,

@@ -248,6 +248,8 @@ class MemoryWriter(Writer):
         self.latest: dict[Table, dict[tuple, dict]] = {}
         self.once: dict[Table, dict[tuple, dict]] = {}
         self.sets: dict[Table, dict[tuple, dict]] = {}
+        # The scopes of each set table that were replaced (emptied ones too): a repair replaces those.
+        self.replaced: dict[Table, set[tuple]] = {}
 
     def read(self, wanted: Needs) -> Stored:
         stored = Stored()
@@ -281,6 +283,7 @@ class MemoryWriter(Writer):
         for table, scopes in the_plan.sets.items():
             kept = self.sets.setdefault(table, {})
             for scope, (scope_row, members) in scopes.items():
+                self.replaced.setdefault(table, set()).add(scope)
                 new = {table.key_of(m) for m in members}
                 for key in [k for k, row in kept.items() if tuple(row[c] for c in table.scope) == scope
                             and k not in new]:

@@ -1,9 +1,11 @@
 """ledgerctl reproject: rebuild billing from the ledger into a shadow copy, compare, switch in, undo
-(workers/reproject.py, docs/reprojection.md).
+(workers/reproject.py, docs/reprojection.md); ``reproject --object ID | --customer ID``: repair one
+object's or customer's rows from its events, written as rows (workers/object_repair.py).
 
 Exit codes: 0 done; 1 nothing could be done (nothing built to apply, nothing applied to undo, no event
-to rebuild, --strict with events not rebuilt): nothing was changed; 2 bad usage (an unknown table);
-4 another process is working on a rebuild.
+to rebuild, --strict with events not rebuilt, an object not in the ledger): nothing was changed; 2 bad
+usage (an unknown table, an id of the wrong shape); 4 another process is working on a rebuild, or
+workers held the repaired objects longer than a repair waits.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from datetime import datetime, timezone
 
 import click
 
-from ops.cli.base import _Context, _actor, _echo_json, _table, cli, json_option
+from ops.cli.base import _Context, _actor, _echo_json, _found, _plain, _table, cli, json_option
 
 ANOTHER_RUNNER = 4
 BAR_WIDTH = 30
@@ -73,9 +75,81 @@ def _summary(run: dict) -> str:
             f"{run['caught_up']:,} caught up" + (f", lock held {run['lock_ms']:.0f} ms" if run["lock_ms"] else ""))
 
 
-@cli.group()
-def reproject():
-    """Rebuild billing from the ledger's payloads into a shadow copy; diff, apply, undo."""
+@cli.group(invoke_without_command=True)
+@click.option("--object", "object_id", metavar="ID", help="Repair this object's rows (cus_, sub_, in_, ...).")
+@click.option("--customer", metavar="ID", help="Repair this customer's rows and those of its subscriptions, "
+              "invoices and checkout sessions.")
+@click.option("--dry-run", is_flag=True, help="Show the repair's diff; write nothing.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@json_option
+@click.pass_context
+def reproject(ctx: click.Context, object_id: str | None, customer: str | None, dry_run: bool, yes: bool,
+              as_json: bool):
+    """Rebuild billing from the ledger's payloads into a shadow copy; diff, apply, undo. With --object or
+    --customer: repair just those rows from their events (shown, then written as rows, audited)."""
+    scoped = object_id is not None or customer is not None
+    if ctx.invoked_subcommand is not None:
+        if scoped or dry_run or yes or as_json:
+            raise click.UsageError("--object, --customer, --dry-run and --yes come without a subcommand")
+        return
+    if not scoped:
+        click.echo(ctx.get_help())
+        return
+    if object_id is not None and customer is not None:
+        raise click.UsageError("--object or --customer, not both")
+    _repair(ctx.obj, "object" if object_id is not None else "customer",
+            object_id if object_id is not None else customer, dry_run=dry_run, yes=yes, as_json=as_json)
+
+
+def _repair(obj: _Context, scope: str, value: str, *, dry_run: bool, yes: bool, as_json: bool) -> None:
+    from ledger.inputs import InputError
+    from workers.object_repair import ObjectRepair, RepairBusy, scope_of
+    from workers.registry import load_handlers
+
+    try:
+        scope, object_id = scope_of(scope, value)
+    except InputError as exc:
+        raise click.BadParameter(str(exc), param_hint=f"--{scope}") from None
+    repair = ObjectRepair(obj.pool, load_handlers(obj.settings))
+    plan = _found(repair.diff(scope, object_id), f"{object_id} is not in the ledger")
+    if not as_json:
+        _show_repair(plan)
+    if dry_run or not sum(plan["counts"][k] for k in ("changed", "only_rebuilt", "only_live")):
+        if as_json:
+            _echo_json(plan)
+        return
+    if not yes:
+        click.confirm(f"Write these rows of {object_id}?", abort=True)
+    try:
+        done = _found(repair.apply(scope, object_id, actor=_actor()), f"{object_id} is not in the ledger")
+    except RepairBusy as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(ANOTHER_RUNNER)
+    if as_json:
+        _echo_json(done)
+    else:
+        click.echo(f"repair {done['repair_id']}: {done['written']['written']} row(s) written, "
+                   f"{done['written']['removed']} removed, {done['counts']['kept']} kept")
+
+
+def _show_repair(plan: dict) -> None:
+    counts = plan["counts"]
+    click.echo(f"{plan['scope']} {plan['object_id']}: rebuilt from {plan['rebuilt_from']} processed event(s); "
+               f"{counts['changed']} changed, {counts['only_rebuilt']} only rebuilt, {counts['only_live']} only "
+               f"live, {counts['kept']} kept")
+    for table in plan["tables"]:
+        for row in table["rows"]:
+            key = ", ".join(f"{k}={v}" for k, v in row["key"].items())
+            if row["kind"] == "changed":
+                change = "; ".join(f"{c}: {_plain(row['live'].get(c))!r} -> {_plain(row['rebuilt'].get(c))!r}"
+                                   for c in row["differs"])
+            elif row["kind"] == "kept":
+                change = "written by something its events do not show: kept"
+            else:
+                change = ""
+            click.echo(f"{table['table']} {row['kind']:12} {key}" + (f"  {change}" if change else ""))
+    for line in plan["not_in_scope"]:
+        click.echo(f"note: {line}")
 
 
 @reproject.command("start")

@@ -83,6 +83,12 @@ class ReprojectionUndoForm(FlaskForm):
     confirm = BooleanField("Switch the tables from before the apply back in", validators=[DataRequired()])
 
 
+class ObjectRepairForm(FlaskForm):
+    # "customer": its rows and those of its subscriptions, invoices and checkout sessions.
+    scope = SelectField("Scope", choices=["object", "customer"])
+    confirm = BooleanField("I have read the differences", validators=[DataRequired()])
+
+
 class ReconcileForm(FlaskForm):
     object_type = SelectField("Object type", choices=list(COLLECTIONS))
     account = StringField("Account", validators=[Optional(), Length(max=255)])
@@ -385,7 +391,35 @@ def object_page(object_id: str):
         object_id, stripe=stripe)
     if story is None:
         abort(404, f"{object_id} is not in the ledger")
-    return render_template("object.html", story=story, stripe=stripe)
+    from workers.object_repair import ObjectRepair
+
+    repairs = ObjectRepair(_ledger("pool"), load_handlers(settings)).history(object_id)
+    return render_template("object.html", story=story, stripe=stripe, repair_form=ObjectRepairForm(),
+                           repairs=repairs)
+
+
+@bp.post("/objects/<object_id>/repair")
+@requires_operator
+def object_repair(object_id: str):
+    """The object's (or customer's) rows rewritten from its events (workers/object_repair.py): rows in one
+    transaction under the objects' locks, audited; the page shows the result."""
+    from workers.object_repair import ObjectRepair, RepairBusy, scope_of
+    from workers.registry import load_handlers
+
+    form = ObjectRepairForm()
+    if not form.validate_on_submit():
+        abort(400, "tick the confirmation: a repair rewrites the rows the page shows as differing")
+    scope, checked = scope_of(form.scope.data, object_id)
+    try:
+        done = ObjectRepair(_ledger("pool"), load_handlers(current_app.config["LEDGER"])).apply(
+            scope, checked, actor=_actor())
+    except RepairBusy as exc:
+        abort(409, str(exc))
+    if done is None:
+        abort(404, f"{checked} is not in the ledger")
+    flash(f"repair {done['repair_id']}: {done['written']['written']} row(s) written, "
+          f"{done['written']['removed']} removed, {done['counts']['kept']} kept")
+    return redirect(url_for(".object_page", object_id=checked))
 
 
 @bp.post("/events/<event_id>/replay")

@@ -277,15 +277,21 @@ def test_an_operator_reads_a_rebuilds_diff_and_applies_it(browser, console, kit,
     assert rp.tables(kit.query) != buggy
 
 
-def test_an_operator_searches_an_id_and_reads_its_story_live_beside_rebuilt(browser, console, kit):
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.common.keys import Keys
-
+def subscription_with_a_planted_status(kit) -> SubscriptionHistory:
+    """A subscription processed to active, whose live row then says past_due: live differs from rebuilt."""
     history = SubscriptionHistory(start=1_700_000_000).lifecycle()
     processor = kit.processor()
     for evt_id in kit.record_many(history.events[:9]):
         assert processor.process(evt_id) is Outcome.PROCESSED
     kit.execute("UPDATE billing.subscriptions SET status = 'past_due' WHERE id = %s", (history.subscription_id,))
+    return history
+
+
+def test_an_operator_searches_an_id_and_reads_its_story_live_beside_rebuilt(browser, console, kit):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    history = subscription_with_a_planted_status(kit)
 
     log_in(browser, console.url, "vera")
     search = browser.find_element(By.ID, "find-id")
@@ -296,7 +302,7 @@ def test_an_operator_searches_an_id_and_reads_its_story_live_beside_rebuilt(brow
     assert "differs in status" in browser.page_source
     status = browser.find_element(By.CSS_SELECTOR, 'table[data-table="billing.subscriptions"] tr.differs')
     assert [c.text for c in status.find_elements(By.TAG_NAME, "td")] == ["status", '"past_due"', '"active"']
-    shot(browser, "object")
+    assert not browser.find_elements(By.ID, "object-repair")  # a viewer reads; only an operator repairs
     browser.find_element(By.LINK_TEXT, history.customer_id).click()
     WebDriverWait(browser, 30).until(lambda d: f"/objects/{history.customer_id}" in d.current_url)
     assert history.subscription_id in text(browser, "links")
@@ -305,3 +311,20 @@ def test_an_operator_searches_an_id_and_reads_its_story_live_beside_rebuilt(brow
     search.send_keys("cus_nobodyhere")
     search.send_keys(Keys.ENTER)
     WebDriverWait(browser, 30).until(lambda d: "not in the ledger" in d.page_source)
+
+
+def test_an_operator_repairs_one_subscriptions_rows_from_its_page(browser, console, kit):
+    from selenium.webdriver.common.by import By
+
+    history = subscription_with_a_planted_status(kit)
+
+    log_in(browser, console.url, "olga")
+    browser.get(f"{console.url}/objects/{history.subscription_id}")
+    assert "1 row(s) differ" in text(browser, "repair-summary")
+    shot(browser, "object")
+    browser.find_element(By.ID, "confirm").click()
+    submit(browser, browser.find_element(By.CSS_SELECTOR, "#object-repair button"))
+    WebDriverWait(browser, 30).until(lambda d: "row(s) written" in d.page_source)
+    assert "0 row(s) differ" in text(browser, "repair-summary")
+    assert "console:olga" in text(browser, "object-repairs")
+    assert kit.query("SELECT status FROM billing.subscriptions") == [{"status": "active"}]

@@ -142,9 +142,10 @@ def test_every_console_page_answers_any_query_without_a_500(operator, route, que
 
 @PROPERTY
 @given(route=st.sampled_from(["/events/{}/replay", "/replay", "/replay/jobs/{}/cancel", "/outbox/{}/replay",
-                              "/drift", "/login"]),
+                              "/drift", "/login", "/objects/{}/repair"]),
        form=st.dictionaries(st.sampled_from(["reason", "force", "expected", "confirm", "preview", "object_type",
-                                             "account", "fix", "confirm_fix", "name", "password", "next"]),
+                                             "account", "fix", "confirm_fix", "name", "password", "next",
+                                             "scope"]),
                             encoded, max_size=6),
        fields=st.dictionaries(st.sampled_from((*QUERY_FIELDS, "colour")),
                               st.one_of(values, st.integers(), st.booleans(), st.none()), max_size=4),
@@ -156,7 +157,33 @@ def test_every_console_form_answers_any_values_without_a_500_and_changes_nothing
     answer = client.post(route.format(segment), data="&".join(f"{k}={v}" for k, v in body.items()),
                          content_type="application/x-www-form-urlencoded")
     assert answer.status_code < 400 or refused_with_a_reason(answer), (answer.status_code, answer.text[:300])
-    assert kit.query("SELECT count(*) AS n FROM ledger.audit") == [{"n": 0}]
+    assert kit.query("SELECT (SELECT count(*) FROM ledger.audit) + (SELECT count(*) FROM ledger.object_repairs) AS n"
+                     ) == [{"n": 0}]
+
+
+@pytest.mark.parametrize("segment, form", [
+    ("sub_a%00b", {"scope": "object", "confirm": "y"}), ("sub_" + "a" * 10_000, {"scope": "object", "confirm": "y"}),
+    ("not%20an%20id", {"scope": "object", "confirm": "y"}), ("sub_known", {"scope": "customer", "confirm": "y"}),
+    ("sub_known", {"scope": "%00", "confirm": "y"}), ("sub_known", {"scope": "object"}),
+    ("evt_known", {"scope": "object", "confirm": "y"}), ("sub_nobody", {"scope": "object", "confirm": "y"}),
+])
+def test_hostile_repairs_are_refused_and_change_nothing(app, kit, segment, form):
+    operator = client_for(app, "olga")
+    token = token_of(operator, "/events")
+    answer = operator.post(f"/objects/{segment}/repair", data="&".join(
+        f"{k}={v}" for k, v in {**form, "csrf_token": token}.items()), content_type="application/x-www-form-urlencoded")
+    assert refused_with_a_reason(answer), (answer.status_code, answer.text[:300])
+    assert kit.query("SELECT count(*) AS n FROM ledger.object_repairs") == [{"n": 0}]
+
+
+def test_a_viewer_cannot_repair_and_a_repair_needs_its_csrf_token(app, kit):
+    viewer = client_for(app, "vera")
+    answer = viewer.post("/objects/sub_known/repair", data={"scope": "object", "confirm": "y",
+                                                            "csrf_token": token_of(viewer, "/events")})
+    assert answer.status_code == 403
+    operator = client_for(app, "olga")
+    assert operator.post("/objects/sub_known/repair", data={"scope": "object", "confirm": "y"}).status_code == 400
+    assert kit.query("SELECT count(*) AS n FROM ledger.object_repairs") == [{"n": 0}]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
