@@ -1,6 +1,7 @@
 """ledgerctl reproject beside real worker processes: a handler bug planted in the workers, fixed, and
 billing rebuilt while live events keep being processed, from before the rebuild to after its apply;
 and a rebuild over events whose effects an outbox backend received, which sees no request from it.
+And a repair scoped to one customer, run again and again while real workers process its events.
 (In-process, the diff, undo, refusals and a killed rebuild: tests/integration/test_reproject.py.)"""
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 
 import pytest
 
+from devkit.factories import SubscriptionHistory
 from devkit.procs import wait_until
 from tests.support import reprojection as rp
 from tests.support.effect_endpoint import SECRET
@@ -131,3 +133,47 @@ def test_a_rebuild_over_events_that_produced_effects_sends_none(kit, broker_sett
     time.sleep(2.0)  # the workers' sweep would have re-driven any effect left undelivered by now
     assert endpoint.snapshot()["calls_total"] == received
     assert kit.query("SELECT count(*) AS n FROM ledger.outbox")[0]["n"] == outbox
+
+
+def one_customers_histories(count: int, *, start: int) -> list[dict]:
+    """``count`` subscription lifecycles of one customer, their clocks interleaved (each opens with the
+    customer's creation again, as a redelivered object would)."""
+    customer = SubscriptionHistory().customer_id
+    events = []
+    for n in range(count):
+        events.extend(SubscriptionHistory(start=start + n, customer_id=customer).lifecycle().events)
+    return sorted(events, key=lambda e: (e["created"], e["id"]))
+
+
+def test_a_customers_repair_while_its_events_are_processed_loses_none_of_them(
+        kit, broker_settings, configured_worker_factory, reference):
+    """Real workers with the planted bug write a customer's rows wrong; fixed workers then process more of
+    its events, one at a time, while `ledgerctl reproject --customer` repairs it again and again. Every
+    row ends as a ledger processed from the start by the fixed handler holds it: the repairs fixed what
+    the bug wrote, and lost nothing the workers applied meanwhile."""
+    settings = broker_settings
+    events = one_customers_histories(6, start=1_700_000_000)
+    customer = events[0]["data"]["object"]["id"]
+    history, live = events[:36], events[36:]  # each subscription past_due in the history, where the bug shows
+    buggy = configured_worker_factory(settings, handler_modules=(TEST_HANDLERS, rp.MODULE), concurrency=2,
+                                      label="buggy")
+    process_with_workers(kit, settings, history)
+    buggy.kill()
+    configured_worker_factory(settings, concurrency=2, label="fixed")
+
+    traffic = Traffic(kit, settings, live)
+    traffic.start()
+    for _ in range(20):
+        ledgerctl(settings, "--customer", customer, "--yes")
+        if not traffic.is_alive():
+            break
+    sent = traffic.finish()
+
+    assert len(sent) == len(live)
+    for evt in events:
+        reference.record(evt)
+    processor = reference.processor()
+    for evt in events:
+        assert processor.process(evt["id"]).value == "processed"
+    assert rp.tables(kit.query) == rp.tables(reference.query)
+    assert kit.query("SELECT count(*) AS n FROM ledger.object_repairs WHERE object_id = %s", (customer,))[0]["n"] >= 1
