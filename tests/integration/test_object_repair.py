@@ -187,3 +187,21 @@ def test_the_rows_a_repair_writes_are_the_rebuilt_handlers_rows(kit):
     plan = ObjectRepair(kit.pool("repair"), load_handlers(kit.settings)).diff("customer", CUS)
     assert plan["counts"] == {"changed": 0, "only_rebuilt": 0, "only_live": 0, "kept": 0}
     assert {r["id"] for r in rebuilt["billing.subscriptions"]} == {SUB}
+
+
+def test_a_repair_that_waits_too_long_for_a_workers_locks_writes_nothing(kit, monkeypatch):
+    import psycopg
+
+    import workers.object_repair as object_repair
+    from ledger.attempts import WorkerLedger
+    from workers.object_repair import RepairBusy
+
+    process(kit, HISTORY.events[:9])
+    kit.execute("UPDATE billing.subscriptions SET status = 'past_due' WHERE id = %s", (SUB,))
+    monkeypatch.setattr(object_repair, "LOCK_WAIT", "300ms")
+    with psycopg.connect(kit.settings.database_url) as worker:  # a batch holding the subscription
+        WorkerLedger.lock_objects(worker, [SUB])
+        with pytest.raises(RepairBusy, match="held by workers"):
+            ObjectRepair(kit.pool("repair"), load_handlers(kit.settings)).apply("object", SUB, actor="test")
+    assert kit.query("SELECT status FROM billing.subscriptions") == [{"status": "past_due"}]
+    assert kit.query("SELECT count(*) AS n FROM ledger.object_repairs")[0]["n"] == 0
