@@ -8,6 +8,10 @@ record what Stripe sends meanwhile. ``CREATE INDEX CONCURRENTLY`` lets writes go
 ``IF NOT EXISTS`` would then take for done. So a build here first looks for the index: valid, it is
 done; INVALID, it is dropped (concurrently too) and built again.
 
+A migration may also drop an index a build of it replaced (``DROP INDEX CONCURRENTLY IF EXISTS``), after
+that build: concurrently too, but a partitioned table's index has no concurrent drop, and is dropped in a
+plain transaction whose lock waits at most ``DROP_LOCK_WAIT`` a try.
+
 A partitioned table (``ledgerctl partitions migrate``) takes no concurrent build of its own: the
 index is made on the parent alone (``ON ONLY``, invalid until every partition has its index), each
 partition's is built concurrently and attached, and the parent's becomes valid with the last one. A
@@ -34,6 +38,13 @@ from ledger.queries import SQL
 _STATEMENT = re.compile(
     r"CREATE\s+(?P<unique>UNIQUE\s+)?INDEX\s+CONCURRENTLY\s+IF\s+NOT\s+EXISTS\s+(?P<name>[a-z_][a-z0-9_]*)\s+"
     r"ON\s+(?P<schema>[a-z_][a-z0-9_]*)\.(?P<table>[a-z_][a-z0-9_]*)\s+(?P<definition>\S.*)", re.S | re.I)
+_DROP = re.compile(r"DROP\s+INDEX\s+CONCURRENTLY\s+IF\s+EXISTS\s+(?P<schema>[a-z_][a-z0-9_]*)\.(?P<name>[a-z_][a-z0-9_]*)",
+                   re.I)
+# A partitioned index cannot be dropped concurrently: its plain DROP takes the table's lock, for a moment
+# (catalog only), waiting at most this long each try so that it never queues the receiver's inserts
+# behind a long transaction for long.
+DROP_LOCK_WAIT = "2s"
+DROP_TRIES = 30
 _COMMENT = re.compile(r"--[^\n]*")
 MAX_NAME = 63  # Postgres' identifier length: a longer name would be cut, and two cut alike would collide
 
@@ -47,22 +58,63 @@ class IndexBuild:
     unique: bool = False
 
 
-def parse(text: str) -> list[IndexBuild]:
-    """The index builds of a migration run outside a transaction; MigrationError for any other statement."""
-    builds = []
+@dataclass(frozen=True)
+class IndexDrop:
+    """An index a build replaced: dropped once the new one is valid (the migration's order)."""
+    name: str
+    schema: str
+
+
+def parse(text: str) -> list[IndexBuild | IndexDrop]:
+    """The steps of a migration run outside a transaction, in its order; MigrationError for any other
+    statement."""
+    steps: list[IndexBuild | IndexDrop] = []
     for statement in _COMMENT.sub("", text).split(";"):
         statement = " ".join(statement.split())
         if not statement:
             continue
-        match = _STATEMENT.fullmatch(statement)
-        if not match:
-            raise MigrationError("a migration outside a transaction holds only "
-                                 f"'CREATE [UNIQUE] INDEX CONCURRENTLY IF NOT EXISTS name ON schema.table ...': {statement[:120]!r}")
-        builds.append(IndexBuild(match["name"], match["schema"], match["table"], match["definition"],
-                                 bool(match["unique"])))
-    if not builds:
+        if match := _STATEMENT.fullmatch(statement):
+            steps.append(IndexBuild(match["name"], match["schema"], match["table"], match["definition"],
+                                    bool(match["unique"])))
+        elif match := _DROP.fullmatch(statement):
+            steps.append(IndexDrop(match["name"], match["schema"]))
+        else:
+            raise MigrationError("a migration outside a transaction holds only 'CREATE [UNIQUE] INDEX CONCURRENTLY "
+                                 "IF NOT EXISTS name ON schema.table ...' and 'DROP INDEX CONCURRENTLY IF EXISTS "
+                                 f"schema.name': {statement[:120]!r}")
+    if not any(isinstance(step, IndexBuild) for step in steps):
         raise MigrationError("a migration outside a transaction builds at least one index")
-    return builds
+    return steps
+
+
+def run(conn: psycopg.Connection, step: IndexBuild | IndexDrop, say: Callable[[str], None]) -> None:
+    """One step of a migration outside a transaction: a build (``build``) or a drop (``drop``)."""
+    if isinstance(step, IndexDrop):
+        drop(conn, step, say)
+    else:
+        build(conn, step, say)
+
+
+def drop(conn: psycopg.Connection, index: IndexDrop, say: Callable[[str], None]) -> None:
+    """``index`` gone, if it is there: concurrently, or, for a partitioned one, in a short lock at a time."""
+    row = conn.execute(SQL.index_kind, {"schema": index.schema, "name": index.name}).fetchone()
+    if row is None:
+        return
+    target = sql.Identifier(index.schema, index.name)
+    say(f"dropping index {index.schema}.{index.name}")
+    if row[0] != "I":
+        conn.execute(sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(target))
+        return
+    for attempt in range(DROP_TRIES):
+        try:
+            with conn.transaction():
+                conn.execute(f"SET LOCAL lock_timeout = '{DROP_LOCK_WAIT}'")
+                conn.execute(sql.SQL("DROP INDEX IF EXISTS {}").format(target))
+            return
+        except psycopg.errors.LockNotAvailable:
+            if attempt == DROP_TRIES - 1:
+                raise MigrationError(f"index {index.schema}.{index.name}: its table stayed locked; run "
+                                     "`ledgerctl migrate` again") from None
 
 
 def build(conn: psycopg.Connection, index: IndexBuild, say: Callable[[str], None]) -> None:

@@ -11,9 +11,10 @@ it runs. The statements on the history are named SQL in
 ledger/sql/migrations.sql.
 
 A migration whose first line is ``-- migrate: outside a transaction`` holds
-only ``CREATE INDEX CONCURRENTLY`` statements (ledger/index_builds.py): an
-index built inside a transaction would hold the receiver's inserts for as long
-as the build takes on a large ledger. Such a migration is recorded once every
+only ``CREATE INDEX CONCURRENTLY`` statements, and ``DROP INDEX CONCURRENTLY``
+of an index one of them replaces (ledger/index_builds.py): an index built
+inside a transaction would hold the receiver's inserts for as long as the
+build takes on a large ledger. Such a migration is recorded once every
 index is built and valid; one interrupted is run again whole, and finds what
 it left (an INVALID index) and builds it again.
 """
@@ -108,8 +109,8 @@ def migrate(dsn: str, *, upto: int | None = None, say: Say | None = None) -> lis
                         conn.execute(migration.sql)
                         _record(conn, migration)
                 else:
-                    for build in index_builds.parse(migration.sql):
-                        index_builds.build(conn, build, say or (lambda _: None))
+                    for step in index_builds.parse(migration.sql):
+                        index_builds.run(conn, step, say or (lambda _: None))
                     _record(conn, migration)
                 applied_now.append(migration)
             unknown = set(applied_migrations(conn)) - {m.version for m in migrations}

@@ -54,3 +54,9 @@ SELECT c.relname AS name, c.relkind AS kind, greatest(c.reltuples, 0)::bigint AS
   FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
  WHERE i.inhparent = %(table)s
  ORDER BY c.relname
+
+-- name: index_kind
+-- An index a migration drops: its kind (i an index, I a partitioned table's), if it is there.
+SELECT c.relkind AS kind
+  FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+ WHERE n.nspname = %(schema)s AND c.relname = %(name)s AND c.relkind IN ('i', 'I')

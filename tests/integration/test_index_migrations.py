@@ -135,6 +135,7 @@ def test_on_a_partitioned_ledger_every_partition_gets_the_index(fresh_db, settin
     assert len(partitions) > 1
     assert indexed == partitions  # the later month's too, from the parent
     assert _validity(fresh_db, OBJECT_INDEX) is True
+    assert _validity(fresh_db, "events_received_at_id_idx") is None  # replaced (0019): a partitioned index dropped
 
 
 def test_a_migration_outside_a_transaction_holds_only_concurrent_index_builds():
@@ -143,6 +144,19 @@ def test_a_migration_outside_a_transaction_holds_only_concurrent_index_builds():
               "ALTER TABLE ledger.events ADD COLUMN x text;")
     with pytest.raises(MigrationError, match="holds only"):
         parse("CREATE INDEX a_idx ON ledger.events (id);")  # not concurrent: it would hold writers
-    built = parse("-- why\nCREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS a_idx ON ledger.events (id) WHERE x;")
-    assert [(b.name, b.schema, b.table, b.definition, b.unique) for b in built] == [
-        ("a_idx", "ledger", "events", "(id) WHERE x", True)]
+    with pytest.raises(MigrationError, match="builds at least one index"):
+        parse("DROP INDEX CONCURRENTLY IF EXISTS ledger.a_idx;")
+    built, dropped = parse("-- why\nCREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS a_idx ON ledger.events (id) WHERE x;"
+                           "\nDROP INDEX CONCURRENTLY IF EXISTS ledger.b_idx;")
+    assert (built.name, built.schema, built.table, built.definition, built.unique) == (
+        "a_idx", "ledger", "events", "(id) WHERE x", True)
+    assert (dropped.name, dropped.schema) == ("b_idx", "ledger")
+
+
+def test_the_thin_filter_is_written_as_its_index_states_it():
+    """The planner reads a partial index only for a query whose condition implies the index's: the console's
+    thin filter and migration 0019's index say the same."""
+    from ledger.event_query import _SOURCE_PREDICATES
+
+    [migration] = [m for m in available_migrations() if "events_thin_received_at_id_idx" in m.sql]
+    assert _SOURCE_PREDICATES["thin"].replace("e.type", "type") in migration.sql
