@@ -1,12 +1,17 @@
-"""ledger.event_query.glob_to_like: the type globs operators pass to ledgerctl, as LIKE patterns.
+"""ledger.event_query.glob_to_like: the type globs operators pass to ledgerctl, as LIKE patterns; and the
+bounds of their literal prefix (glob_prefix_range), which must hold every type a glob matches.
 
 How Postgres then matches them is tested in tests/integration/test_cli_ledgerctl.py.
 """
 from __future__ import annotations
 
-import pytest
+import fnmatch
 
-from ledger.event_query import glob_to_like
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ledger.event_query import glob_prefix_range, glob_to_like
 
 
 @pytest.mark.parametrize("pattern, like", [
@@ -22,3 +27,15 @@ from ledger.event_query import glob_to_like
 ])
 def test_glob_to_like_turns_glob_wildcards_into_like_ones_and_escapes_like_metacharacters(pattern, like):
     assert glob_to_like(pattern) == like
+
+
+@given(pattern=st.text(alphabet=st.sampled_from("ab.*?_%\\\U0010ffffé"), max_size=8),
+       name=st.text(alphabet=st.sampled_from("ab._%\\\U0010ffffé"), max_size=8))
+def test_a_globs_prefix_bounds_hold_every_type_it_matches(pattern, name):
+    """glob_prefix_range narrows by byte order what LIKE then matches exactly: it must never leave out a type
+    the glob matches (a missing event in a filtered list)."""
+    bounds = glob_prefix_range(pattern)
+    if bounds is None or not fnmatch.fnmatchcase(name, pattern.replace("[", "[[]")):
+        return
+    low, high = (b.encode() for b in bounds)
+    assert low <= name.encode() < high
