@@ -47,7 +47,8 @@ DEFAULT_RANGE = timedelta(days=7)
 _PREDICATES = {
     "status": "e.status = %(status)s",
     "type_like": "e.type LIKE %(type_like)s",
-    # Migration 0019's index of types (text_pattern_ops) reads these bounds; LIKE keeps the exact match.
+    # Checked inside the list's index (migration 0019: the type in byte order) before any heap row is read;
+    # LIKE keeps the exact match.
     "type_from": "e.type ~>=~ %(type_from)s AND e.type ~<~ %(type_to)s",
     "reason": "e.failure_reason = %(reason)s",
     "account": "e.account = %(account)s",
