@@ -71,18 +71,26 @@ def write(table: Table, schema: str | None, source: sql.Composable) -> sql.Compo
     """The statement that writes ``source``'s rows into ``table``: an upsert under the order guard
     (LATEST), an insert of what is not there yet (ONCE), or the members of replaced sets (SET: see
     ``replace_delete`` for the rest of a replacement). ``source`` holds one row per key."""
-    columns = table.all_columns
-    insert = sql.SQL("INSERT INTO {rel} AS t ({cols}) SELECT {cols} FROM {source} AS s").format(
-        rel=relation(table, schema), cols=_columns(columns), source=source)
+    insert = _insert(table, schema, source)
     if table.kind in (ONCE, SET):
         return sql.SQL("{insert} ON CONFLICT {target} DO NOTHING").format(insert=insert, target=_target(table))
-    # A stored row keeps its key and its owner (the guard refuses another owner before anything is set).
+    return sql.SQL("{insert} ON CONFLICT {target} DO UPDATE SET {set} WHERE {guard}").format(
+        insert=insert, target=_target(table), set=_assignments(table), guard=_guard(table))
+
+
+def _insert(table: Table, schema: str | None, source: sql.Composable) -> sql.Composed:
+    return sql.SQL("INSERT INTO {rel} AS t ({cols}) SELECT {cols} FROM {source} AS s").format(
+        rel=relation(table, schema), cols=_columns(table.all_columns), source=source)
+
+
+def _assignments(table: Table) -> sql.Composable | None:
+    """An upsert's SET: a stored row keeps its key and its owner (the guard refuses another owner before
+    anything is set); None for a table whose columns are all key and owner."""
     assignments = [sql.SQL("{c} = EXCLUDED.{c}").format(c=sql.Identifier(c))
-                   for c in columns if c not in table.key and c not in table.owner]
+                   for c in table.all_columns if c not in table.key and c not in table.owner]
     if table.touch:
         assignments.append(sql.SQL("{c} = now()").format(c=sql.Identifier(table.touch)))
-    return sql.SQL("{insert} ON CONFLICT {target} DO UPDATE SET {set} WHERE {guard}").format(
-        insert=insert, target=_target(table), set=sql.SQL(", ").join(assignments), guard=_guard(table))
+    return sql.SQL(", ").join(assignments) if assignments else None
 
 
 def repair(table: Table) -> sql.Composed:
@@ -90,18 +98,13 @@ def repair(table: Table) -> sql.Composed:
     its events (workers/object_repair.py): an upsert whose guard lets the same event's row be rewritten (a
     wrong row written by it) but never a newer one's; a once-written or set row is rewritten as given.
     Returns the keys written."""
-    columns = table.all_columns
-    assignments = [sql.SQL("{c} = EXCLUDED.{c}").format(c=sql.Identifier(c))
-                   for c in columns if c not in table.key and c not in table.owner]
-    if table.touch:
-        assignments.append(sql.SQL("{c} = now()").format(c=sql.Identifier(table.touch)))
+    assignments = _assignments(table)
     where = sql.SQL(" WHERE {}").format(_guard(table, or_same=True)) if table.kind == LATEST else sql.SQL("")
-    update = (sql.SQL("DO UPDATE SET {set}{where}").format(set=sql.SQL(", ").join(assignments), where=where)
-              if assignments else sql.SQL("DO NOTHING"))
-    return sql.SQL("INSERT INTO {rel} AS t ({cols}) SELECT {cols} FROM {source} AS s ON CONFLICT {target} "
-                   "{update} RETURNING {key}").format(
-        rel=relation(table), cols=_columns(columns), source=json_source(table, None, "rows"),
-        target=_target(table), update=update, key=_columns(table.key))
+    update = (sql.SQL("DO UPDATE SET {set}{where}").format(set=assignments, where=where)
+              if assignments is not None else sql.SQL("DO NOTHING"))
+    return sql.SQL("{insert} ON CONFLICT {target} {update} RETURNING {key}").format(
+        insert=_insert(table, None, json_source(table, None, "rows")), target=_target(table), update=update,
+        key=_columns(table.key))
 
 
 def repair_delete(table: Table) -> sql.Composed:
