@@ -1,20 +1,20 @@
 """What a repair scoped to one object or customer reads and records in the ledger (ledger/sql/repairs.sql).
 
 The repair itself (workers/object_repair.py) runs in one transaction on a connection it holds: the
-objects' locks first, then the events read and the audit recorded on that same connection, so the
+objects' locks first (WorkerLedger.lock_objects, as a worker's batch takes them), then the events
+read and the audit recorded on that same connection, so the
 events it rebuilds from are every one a worker has committed, and none a worker commits until the
 repair does.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from ledger import jsoncodec
-from ledger.attempts import WorkerLedger
 from ledger.db import ProcessPool
 from ledger.queries import SQL
 from ledger.statements import run_statement
@@ -23,11 +23,6 @@ from ledger.statements import run_statement
 class RepairLedger:
     def __init__(self, pool: ProcessPool):
         self._pool = pool
-
-    @staticmethod
-    def lock(conn: psycopg.Connection, keys: Iterable[str]) -> None:
-        """The objects' locks, as a worker's batch takes them (object_lock), to the transaction's end."""
-        WorkerLedger.lock_objects(conn, keys)
 
     @staticmethod
     def events(conn: psycopg.Connection, object_id: str) -> list[dict[str, Any]]:

@@ -33,6 +33,7 @@ from typing import Any
 import psycopg
 
 from ledger import inputs
+from ledger.attempts import WorkerLedger
 from ledger.db import ProcessPool
 from ledger.object_repairs import RepairLedger
 from ledger.reprojection import StoredEvent
@@ -144,7 +145,7 @@ class ObjectRepair:
         locked: set[str] = set()
         wanted = {object_id}
         for _ in range(LOCK_ROUNDS):
-            RepairLedger.lock(conn, wanted - locked)
+            WorkerLedger.lock_objects(conn, wanted - locked)
             locked |= wanted
             plan = self._plan(conn, scope, object_id)
             if plan is None:
@@ -176,8 +177,10 @@ class ObjectRepair:
         for table in CUSTOMER_OBJECTS:
             plan.customers |= {r["customer_id"] for r in rebuilt.get(table.name, [])
                                if r.get("id") in ids and r.get("customer_id")}
+        any_live = False
         for table, column in HOLDERS:
             live = live_rows(conn, table, column, values)
+            any_live = any_live or bool(live)
             mine = stored_form(conn, table, [r for r in rebuilt.get(table.name, []) if r.get(column) in ids])
             replaced = writer.replaced.get(table, set())
             rows = [_classified(table, row, sources, replaced)
@@ -185,8 +188,7 @@ class ObjectRepair:
                     if row["differs"]]
             if rows:
                 plan.tables.append({"table": table.name, "key": list(table.key), "rows": rows})
-        if not found and not plan.tables and not any(
-                live_rows(conn, table, column, values) for table, column in HOLDERS):
+        if not found and not any_live:
             return None
         return plan
 
