@@ -105,14 +105,15 @@ def cpu_times() -> list[int]:
         return [int(x) for x in fh.readline().split()[1:8]]
 
 
-def fill(url: str, total: int) -> None:
+def fill(url: str, total: int, *, statement: str = FILL) -> None:
+    """``total`` events by ``statement`` (FILL, or a variant of it), with their deliveries and attempts."""
     with psycopg.connect(url, autocommit=True) as conn:
         partition_months(conn, 60)
         step = 200_000
         for first in range(1, total + 1, step):
             last = min(total, first + step - 1)
             started = time.monotonic()
-            conn.execute(FILL, {"first": first, "last": last, "total": total})
+            conn.execute(statement, {"first": first, "last": last, "total": total})
             print(f"  events {last:,} ({time.monotonic() - started:.1f} s)", flush=True)
         conn.execute(DELIVERIES, {})
         conn.execute(ATTEMPTS)
@@ -178,23 +179,32 @@ def report(total: int, rows: list[tuple[str, list[float]]], busy: float) -> str:
     return "\n".join(lines)
 
 
-def write_docs(text: str) -> None:
+def write_docs(text: str, *, markers: tuple[str, str] = (BEGIN, END),
+               heading: str = "## Operator console: 1,000,000 events") -> None:
+    """``text`` into docs/benchmarks.md between ``markers``, or at its end under ``heading`` the first time."""
+    begin, end = markers
     doc = DOCS.read_text()
-    section = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in doc:
-        doc = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: section, doc, flags=re.S)
+    section = f"{begin}\n{text}\n{end}"
+    if begin in doc:
+        doc = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: section, doc, flags=re.S)
     else:
-        doc = doc.rstrip() + "\n\n## Operator console: 1,000,000 events\n\n" + section + "\n"
+        doc = doc.rstrip() + f"\n\n{heading}\n\n" + section + "\n"
     DOCS.write_text(doc)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(doc: str) -> argparse.Namespace:
+    """The options of a bench of console pages (this one's, object_page's): --events, --requests, --docs,
+    --partitioned."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=1_000_000)
     parser.add_argument("--requests", type=int, default=60, help="timed requests per page")
     parser.add_argument("--docs", action="store_true", help="write the result into docs/benchmarks.md")
     parser.add_argument("--partitioned", action="store_true", help="partition the ledger first (by month)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = arguments(__doc__)
     work = Path(tempfile.mkdtemp(prefix="ledger-console-bench-"))
     cleanup = Cleanup("console-bench")
     try:

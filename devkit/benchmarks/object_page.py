@@ -21,7 +21,6 @@ printed once per id. ``--docs`` writes the section of docs/benchmarks.md between
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import subprocess
@@ -31,10 +30,10 @@ from pathlib import Path
 
 import psycopg
 
-from devkit.benchmarks.console_list import (ATTEMPTS, DELIVERIES, FILL, busy_share, console_variables, cpu_times,
-                                            measure, p, session)
+from devkit.benchmarks.console_list import (FILL, arguments, busy_share, console_variables, cpu_times, fill,
+                                            measure, p, session, write_docs)
 from devkit.benchmarks.payloads import _Dresser, body
-from devkit.benchmarks.stack import migrated_database, partition_months
+from devkit.benchmarks.stack import migrated_database
 from devkit.factories import SubscriptionHistory, customer, event, new_id
 from devkit.procs import REPO, Cleanup, venv_tool
 from devkit.stack import Console, stack_env
@@ -49,7 +48,6 @@ from workers.processor import EventProcessor
 from workers.registry import load_handlers
 
 TARGET_P95_MS = 100.0
-DOCS = REPO / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- object-bench:begin -->", "<!-- object-bench:end -->"
 HEADING = "## One object's page: 1,000,000 events (issue 40)"
 BROKER = "redis://127.0.0.1:6379/15"
@@ -67,19 +65,6 @@ OBJECT_FILL = _swap(_swap(_swap(
     FILL, "updated_at)\nSELECT", "updated_at, object_id, customer_id)\nSELECT"),
     """'","object":"customer"}}}'""", """'","object":"customer","customer":"cus_bench' || (n %% 50000) || '"}}}'"""),
     ", at\n  FROM generate_series", ", at, 'obj_' || n, 'cus_bench' || (n %% 50000)\n  FROM generate_series")
-
-
-def fill(url: str, total: int) -> None:
-    with psycopg.connect(url, autocommit=True) as conn:
-        partition_months(conn, 60)
-        step = 200_000
-        for first in range(1, total + 1, step):
-            last = min(total, first + step - 1)
-            started = time.monotonic()
-            conn.execute(OBJECT_FILL, {"first": first, "last": last, "total": total})
-            print(f"  events {last:,} ({time.monotonic() - started:.1f} s)", flush=True)
-        conn.execute(DELIVERIES, {})
-        conn.execute(ATTEMPTS)
 
 
 def subscription_story(start: int) -> SubscriptionHistory:
@@ -189,29 +174,14 @@ def report(args, judged: list[tuple[str, list[float]]], processes: list[tuple[st
     return "\n".join(lines)
 
 
-def write_docs(text: str) -> None:
-    doc = DOCS.read_text()
-    section = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in doc:
-        doc = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: section, doc, flags=re.S)
-    else:
-        doc = doc.rstrip() + f"\n\n{HEADING}\n\n" + section + "\n"
-    DOCS.write_text(doc)
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--events", type=int, default=1_000_000)
-    parser.add_argument("--requests", type=int, default=60, help="timed requests per page")
-    parser.add_argument("--partitioned", action="store_true", help="partition the ledger first (by month)")
-    parser.add_argument("--docs", action="store_true", help="write the result into docs/benchmarks.md")
-    args = parser.parse_args()
+    args = arguments(__doc__)
     work = Path(tempfile.mkdtemp(prefix="ledger-object-bench-"))
     cleanup = Cleanup("object-bench")
     try:
         url = migrated_database(cleanup, "object_bench", partitioned=args.partitioned)
         print(f"filling {args.events:,} events", flush=True)
-        fill(url, args.events)
+        fill(url, args.events, statement=OBJECT_FILL)
         now = int(time.time())
         history = subscription_story(now - 40 * DAY)
         customer_id, customer_events = customer_story(now - 20 * DAY)
@@ -247,7 +217,7 @@ def main() -> int:
         text = report(args, judged, processes, plans, busy)
         print("\n" + text)
         if args.docs:
-            write_docs(text)
+            write_docs(text, markers=(BEGIN, END), heading=HEADING)
         return 0 if "**PASS**" in text else 1
     finally:
         cleanup.run()
