@@ -76,19 +76,34 @@ def ledgerctl(settings, *args: str) -> str:
 reference = pytest.fixture(rp.reference_ledger)
 
 
+def buggy_then_fixed(kit: LedgerKit, settings, worker_factory, history: list[dict], live: list[dict]) -> "Traffic":
+    """``history`` processed by workers with the planted bug, which then stop; workers with the fixed handler
+    start, and ``live`` is sent to them one event at a time (the traffic returned, started)."""
+    buggy = worker_factory(settings, handler_modules=(TEST_HANDLERS, rp.MODULE), concurrency=2, label="buggy")
+    process_with_workers(kit, settings, history)
+    buggy.kill()
+    worker_factory(settings, concurrency=2, label="fixed")
+    traffic = Traffic(kit, settings, live)
+    traffic.start()
+    return traffic
+
+
+def processed_in_order(reference: LedgerKit, events: list[dict]) -> LedgerKit:
+    """The reference ledger once it has processed ``events`` with the fixed handler, in Stripe's order."""
+    for evt in events:
+        reference.record(evt)
+    processor = reference.processor()
+    for evt in sorted(events, key=lambda e: (e["created"], e["id"])):
+        assert processor.process(evt["id"]).value == "processed"
+    return reference
+
+
 def test_billing_rebuilt_while_live_events_are_processed_equals_a_ledger_processed_by_the_fixed_handler(
         kit, broker_settings, configured_worker_factory, reference):
     settings = broker_settings
     history = rp.lifecycles(40, start=1_700_000_000)
     live = [evt for evt in rp.lifecycles(30, start=1_710_000_000, cut_at=10)]
-    buggy = configured_worker_factory(settings, handler_modules=(TEST_HANDLERS, rp.MODULE), concurrency=2,
-                                      label="buggy")
-    process_with_workers(kit, settings, history)
-    buggy.kill()
-    configured_worker_factory(settings, concurrency=2, label="fixed")
-
-    traffic = Traffic(kit, settings, live)
-    traffic.start()
+    traffic = buggy_then_fixed(kit, settings, configured_worker_factory, history, live)
     wait_until(lambda: len(traffic.sent) >= 5, what="live events to be processed before the rebuild")
     ledgerctl(settings, "start", "--slice-size", "5")
     time.sleep(1.0)  # events processed after the rebuild was built: the apply's catch-ups bring them in
@@ -103,12 +118,7 @@ def test_billing_rebuilt_while_live_events_are_processed_equals_a_ledger_process
     after_apply = [e for e in sent if processed_at[e["id"]] > run["applied_at"]]
     assert during_build and before_apply and after_apply, (len(during_build), len(before_apply), len(after_apply))
 
-    for evt in history + sent:
-        reference.record(evt)
-    processor = reference.processor()
-    for evt in sorted(history + sent, key=lambda e: (e["created"], e["id"])):
-        assert processor.process(evt["id"]).value == "processed"
-    assert rp.tables(kit.query) == rp.tables(reference.query)
+    assert rp.tables(kit.query) == rp.tables(processed_in_order(reference, history + sent).query)
     subscription_events = [e for e in history + sent if e["type"].startswith("customer.subscription.")]
     transitions = kit.query("SELECT event_id FROM billing.subscription_transitions")
     assert sorted(t["event_id"] for t in transitions) == sorted(e["id"] for e in subscription_events)
@@ -155,14 +165,7 @@ def test_a_customers_repair_while_its_events_are_processed_loses_none_of_them(
     events = one_customers_histories(6, start=1_700_000_000)
     customer = events[0]["data"]["object"]["id"]
     history, live = events[:36], events[36:]  # each subscription past_due in the history, where the bug shows
-    buggy = configured_worker_factory(settings, handler_modules=(TEST_HANDLERS, rp.MODULE), concurrency=2,
-                                      label="buggy")
-    process_with_workers(kit, settings, history)
-    buggy.kill()
-    configured_worker_factory(settings, concurrency=2, label="fixed")
-
-    traffic = Traffic(kit, settings, live)
-    traffic.start()
+    traffic = buggy_then_fixed(kit, settings, configured_worker_factory, history, live)
     for _ in range(20):
         ledgerctl(settings, "--customer", customer, "--yes")
         if not traffic.is_alive():
@@ -170,10 +173,5 @@ def test_a_customers_repair_while_its_events_are_processed_loses_none_of_them(
     sent = traffic.finish()
 
     assert len(sent) == len(live)
-    for evt in events:
-        reference.record(evt)
-    processor = reference.processor()
-    for evt in events:
-        assert processor.process(evt["id"]).value == "processed"
-    assert rp.tables(kit.query) == rp.tables(reference.query)
+    assert rp.tables(kit.query) == rp.tables(processed_in_order(reference, events).query)
     assert kit.query("SELECT count(*) AS n FROM ledger.object_repairs WHERE object_id = %s", (customer,))[0]["n"] >= 1
