@@ -77,8 +77,16 @@ SABOTAGES = (
         "ledger/retention.py): a file the store lost or cut short is no longer caught before the events go",
         (("ledger/retention.py",
           "        fetch_verified(self.store, manifest, tmp / f\"{month}.read-back.jsonl.gz\")\n",
-          "        self._remove(report, key, writer.fingerprints(), self._month_bounds(month))\n"
+          "        self._remove(report, key, writer.versions(), self._month_bounds(month))\n"
           "        fetch_verified(self.store, manifest, tmp / f\"{month}.read-back.jsonl.gz\")\n"),),
+        ("tests/integration/test_retention.py",)),
+    Sabotage(
+        "retention-removes-changed-events",
+        "a removal no longer compares an event's rows with those its archive line was built from "
+        "(Retention._remove_page, ledger/retention.py): a delivery or a replay after the archive is lost",
+        (("ledger/retention.py",
+          "            unchanged = [event_id for event_id in ids if now.get(event_id) == archived[event_id]]\n",
+          "            unchanged = [event_id for event_id in ids if event_id in now]\n"),),
         ("tests/integration/test_retention.py",)),
     Sabotage(
         "retention-removes-recoverable",

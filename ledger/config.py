@@ -41,6 +41,17 @@ class RetentionPolicy:
 
 
 @dataclass(frozen=True)
+class RetentionBudget:
+    """How much of the machine a retention run may take (ledger/archive_builders.py): the processes that
+    build its archive lines, their niceness, and the archive rate they are held to (events a second over
+    the run; 0: as fast as they go). The default rate keeps a receiver beside a run within 1.5x its ack
+    p99 on two cores (docs/benchmarks.md, "ops/bench retention")."""
+    max_rate: float = 12_000.0
+    builders: int = 2
+    nice: int = 10
+
+
+@dataclass(frozen=True)
 class Settings:
     database_url: str = "postgresql:///ledger"
     broker_url: str = "redis://localhost:6379/0"
@@ -109,6 +120,10 @@ class Settings:
     archive_url: str | None = None
     # The sweep runs retention every this many seconds (0: only `ledgerctl retention run`).
     retention_interval_s: float = 3600.0
+    # A run's budget (RetentionBudget): LEDGER_RETENTION_MAX_RATE, _BUILDERS, _NICE.
+    retention_max_rate: float = RetentionBudget.max_rate
+    retention_builders: int = RetentionBudget.builders
+    retention_nice: int = RetentionBudget.nice
 
     def __post_init__(self):
         if self.accept_livemode not in ACCEPT_LIVEMODE:
@@ -118,6 +133,10 @@ class Settings:
 
     def retention_policy(self) -> RetentionPolicy:
         return RetentionPolicy(processed_days=self.retain_processed_days, failed_days=self.retain_failed_days)
+
+    def retention_budget(self) -> RetentionBudget:
+        return RetentionBudget(max_rate=self.retention_max_rate, builders=self.retention_builders,
+                               nice=self.retention_nice)
 
     def accepts_livemode(self, livemode: bool) -> bool:
         """Whether this deployment keeps events of this mode (LEDGER_ACCEPT_LIVEMODE)."""
@@ -179,6 +198,9 @@ class Settings:
             archive_url=env.get("LEDGER_ARCHIVE_URL", "").strip() or None,
             retention_interval_s=_number(env, "LEDGER_RETENTION_INTERVAL_S", defaults.retention_interval_s, float,
                                          minimum=0),
+            retention_max_rate=_number(env, "LEDGER_RETENTION_MAX_RATE", defaults.retention_max_rate, float, minimum=0),
+            retention_builders=_number(env, "LEDGER_RETENTION_BUILDERS", defaults.retention_builders, int, minimum=1),
+            retention_nice=_number(env, "LEDGER_RETENTION_NICE", defaults.retention_nice, int, minimum=0, maximum=19),
         )
 
 
@@ -242,7 +264,7 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise ConfigError(f"{name} must be true or false, got {raw!r}")
 
 
-def _number(env: Mapping[str, str], name: str, default, kind, minimum):
+def _number(env: Mapping[str, str], name: str, default, kind, minimum, maximum=math.inf):
     raw = env.get(name, "").strip()
     if not raw:
         return default
@@ -253,4 +275,6 @@ def _number(env: Mapping[str, str], name: str, default, kind, minimum):
     if not math.isfinite(value) or value < minimum:
         # nan compares false with everything: it would pass a bare minimum check.
         raise ConfigError(f"{name} must be a finite number of at least {minimum}, got {raw!r}")
+    if value > maximum:
+        raise ConfigError(f"{name} must be at most {maximum}, got {raw!r}")
     return value

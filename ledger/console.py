@@ -87,8 +87,9 @@ class ConsoleLedger:
 
     # -- the overview ----------------------------------------------------------------------------
     def overview(self, *, health_alerts: list[dict[str, Any]]) -> Overview:
-        unfinished = self._all(SQL.stats_unfinished)[0]
-        counts = {row["status"]: row["events"] for row in self._all(SQL.console_status_counts)}
+        unfinished = self._all(SQL.console_unfinished)[0]
+        counts = {status.value: unfinished[status.value] for status in EventStatus
+                  if status is not EventStatus.PROCESSED}
         processed = self._all(SQL.console_processed_count_capped, {"cap": EXACT_PROCESSED_UP_TO + 1})[0]["events"]
         estimated = processed > EXACT_PROCESSED_UP_TO
         if estimated:

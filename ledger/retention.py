@@ -6,13 +6,16 @@ A run, one at a time across hosts (a session-level advisory lock: a second runne
    processing; failed_permanent: LEDGER_RETAIN_FAILED_DAYS after the failure), one line per
    event with every row that names it, into one file per month of Stripe's ``created``;
    never an unfinished event, one with an effect still to deliver, or a held one. It reads
-   the table once, in slices of heap blocks (SLICE_BLOCKS per statement), so no statement
-   sorts, none holds a snapshot for long, and no index is added to the receiver's inserts;
+   the table once, in slices of heap blocks (SLICE_BLOCKS per task), so no statement sorts,
+   none holds a snapshot for long, and no index is added to the receiver's inserts; the lines
+   are built outside Postgres, in niced processes held to the run's budget
+   (ledger/archive_builders.py);
 2. **puts** each file, then its manifest, in the store;
 3. **reads it back** and checks it against what was written (size, SHA-256, events);
 4. records it in ``ledger.archive_files``; only then
 5. **removes** the events it holds, a page per transaction, each only if its rows are still
-   what the file holds (a delivery or a replay since leaves it for the next run).
+   the ones its line was built from (its version, ledger/archive_lines.py: a delivery or a
+   replay since leaves it for the next run).
 
 A run that dies anywhere repeats safely: before 5 nothing left the ledger, and a file
 without its manifest counts for nothing; during 5, the events not yet removed are
@@ -26,32 +29,30 @@ import os
 import socket
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from psycopg import errors, sql as pgsql
-from psycopg.rows import tuple_row
 
-from ledger.archive import (ArchiveStore, ArchiveWriter, Chunk, Manifest, MANIFEST_SUFFIX, fetch_verified,
-                            file_key, read_lines, sha256_of)
+from ledger.archive import (ArchiveStore, ArchiveWriter, Manifest, MANIFEST_SUFFIX, fetch_verified, file_key,
+                            read_lines, sha256_of)
+from ledger.archive_builders import Builders, Pace, Slice
+from ledger.archive_lines import versions
 from ledger.db import ProcessPool, session_lock
-from ledger.config import RetentionPolicy
+from ledger.config import RetentionBudget, RetentionPolicy
 from ledger.errors import ConfigError
 from ledger.queries import SQL
 from ledger.statements import run_statement
 
 log = logging.getLogger(__name__)
 
-# Events removed per transaction (its row locks' hold), and heap blocks (8 KB) read per archiving statement.
+# Events removed per transaction (its row locks' hold), and heap blocks (8 KB) read per builder's task.
 REMOVE_PAGE = 500
 REMOVE_PAGE_MIN = 25
 REMOVE_TARGET_S = 0.2
 SLICE_BLOCKS = 1024
-# Connections reading slices at once: Postgres builds lines on one while this process compresses.
-READERS = 2
 # A month's swap takes the ledger tables' exclusive lock (its watch, the month's partitions'): waited for
 # at most this long (a receiver's insert queues behind the waiting swap meanwhile), then tried again,
 # DROP_TRIES times a run.
@@ -73,6 +74,7 @@ class RunReport:
     # Where the time went: reading the events' lines out of Postgres and compressing them, writing
     # and reading back the files, removing; and the longest removal transaction (its row locks' hold).
     read_s: float = 0.0
+    build_cpu_s: float = 0.0     # the builder processes' CPU (ledger/archive_builders.py)
     store_s: float = 0.0
     remove_s: float = 0.0
     longest_removal_s: float = 0.0
@@ -89,16 +91,15 @@ class Retention:
     """The retention runner, holds, and restores, over one database and one archive store."""
 
     def __init__(self, pool: ProcessPool, store: ArchiveStore | None, policy: RetentionPolicy,
-                 *, runner: str | None = None, page: int = REMOVE_PAGE, slice_blocks: int = SLICE_BLOCKS,
-                 readers: int = READERS,
-                 before_removal: Callable[[Manifest], None] | None = None):
+                 *, budget: RetentionBudget = RetentionBudget(), runner: str | None = None, page: int = REMOVE_PAGE,
+                 slice_blocks: int = SLICE_BLOCKS, before_removal: Callable[[Manifest], None] | None = None):
         self._pool = pool
         self.store = store
         self.policy = policy
+        self.budget = budget
         self.runner = runner or f"{socket.gethostname()}:{os.getpid()}"
         self._page = page
         self._slice_blocks = slice_blocks
-        self._readers = readers
         # A test's hook between a verified archive and its removal (the crash the docs promise survives).
         self._before_removal = before_removal
 
@@ -128,6 +129,7 @@ class Retention:
                 report.kept_by_hold = self._all(SQL.retention_count_held, self.policy.params())[0]["held"]
                 report.status = "done"
             except Exception as exc:
+                import traceback; traceback.print_exc()  # DEBUG
                 report.status, report.error = "failed", f"{type(exc).__name__}: {exc}"
                 log.error("retention run failed; nothing unarchived was removed",
                           extra={"run_id": run_id, "error_class": type(exc).__name__})
@@ -248,32 +250,22 @@ class Retention:
 
     def _archive(self, report: RunReport, tmp: Path) -> dict[str, ArchiveWriter]:
         """Every event past its window into its month's file: the table read once, a slice of blocks
-        per statement."""
+        per builder's task, appended in the tables' order."""
         started = time.monotonic()
         writers: dict[str, ArchiveWriter] = {}
-
-        def read(piece: tuple[dict[str, Any], int]) -> dict[str, Chunk]:
-            heap, first = piece
-            by_month: dict[str, list[tuple[str, str]]] = {}
-            candidates = pgsql.SQL(SQL.retention_candidates).format(
-                relation=pgsql.Identifier(*heap["relation"].split(".")))
-            for event_id, month, line in run_statement(self._pool, candidates, {
-                    **self.policy.params(), "first_block": first, "end_block": first + self._slice_blocks,
-                    "created_from": heap["created_from"], "created_to": heap["created_to"]},
-                    row_factory=tuple_row):
-                by_month.setdefault(month, []).append((event_id, line))
-            return {month: Chunk.of(rows) for month, rows in by_month.items()}
         try:
-            pieces = [(heap, first) for heap in self._all(SQL.events_heap_blocks)
+            pieces = [Slice(heap["relation"], first, first + self._slice_blocks,
+                            {"created_from": heap["created_from"], "created_to": heap["created_to"]})
+                      for heap in self._all(SQL.events_heap_blocks)
                       for first in range(0, heap["blocks"], self._slice_blocks)]
-            # Slices read (and compressed) on several connections at once, appended in the tables' order.
-            with ThreadPoolExecutor(max_workers=self._readers, thread_name_prefix="retention-read") as readers:
-                for chunks in readers.map(read, pieces):
+            with Builders(self._pool.settings, self.budget) as builders:
+                for chunks in builders.chunks(pieces, self.policy.params()):
                     for month, chunk in chunks.items():
                         writer = writers.get(month)
                         if writer is None:
                             writer = writers[month] = ArchiveWriter(tmp, month)
                         writer.append(chunk)
+            report.build_cpu_s = builders.cpu_s
         finally:
             for writer in writers.values():
                 writer.close()
@@ -301,9 +293,9 @@ class Retention:
         if self._before_removal is not None:
             self._before_removal(manifest)
         if replace:
-            self._replace_month(report, key, month, (event_id for event_id, _ in writer.fingerprints()))
+            self._replace_month(report, key, month, (event_id for event_id, _ in writer.versions()))
         else:
-            self._remove(report, key, writer.fingerprints(), self._month_bounds(month))
+            self._remove(report, key, writer.versions(), self._month_bounds(month))
 
     def _month_bounds(self, month: str) -> dict[str, datetime | None]:
         """A file's month as the bounds of its events' `created`, on a partitioned ledger (where every row
@@ -315,14 +307,16 @@ class Retention:
         following = first.replace(year=first.year + first.month // 12, month=first.month % 12 + 1)
         return {"created_from": first, "created_to": following}
 
-    def _remove(self, report: RunReport, key: str, fingerprints: Iterator[tuple[str, str]],
+    def _remove(self, report: RunReport, key: str, archived: Iterator[tuple[str, str]],
                 bounds: dict[str, datetime | None]) -> None:
         # The page follows the time a removal takes, so its row locks (which a redelivery of one of these
         # events would wait on) are held about REMOVE_TARGET_S: halved after a slow one, grown after quick ones.
+        # Pages go no faster than the run's budget: deletes are the server's CPU and WAL, beside the receiver's.
         size = self._page
-        while page := list(itertools.islice(fingerprints, size)):
+        pace = Pace(self.budget.max_rate)
+        while page := list(itertools.islice(archived, size)):
             started = time.monotonic()
-            removed = self._remove_page([i for i, _ in page], [f for _, f in page], bounds)
+            removed = self._remove_page(dict(page), bounds)
             took = time.monotonic() - started
             if took > 2 * REMOVE_TARGET_S:
                 size = max(REMOVE_PAGE_MIN, size // 2)
@@ -334,13 +328,19 @@ class Retention:
             report.removed += removed
             report.changed += len(page) - removed
             self._progress(report.run_id, removed=removed, changed=len(page) - removed)
+            pace.done(len(page))
 
-    def _remove_page(self, ids: list[str], fingerprints: list[str], bounds: dict[str, datetime | None]) -> int:
-        """One transaction: lock, then delete what is unchanged (events_lock_archived says why two statements)."""
-        params = {"ids": ids, "fingerprints": fingerprints, **bounds}
+    def _remove_page(self, archived: dict[str, str], bounds: dict[str, datetime | None]) -> int:
+        """One transaction: lock the page's events, then delete those whose rows are still the ones their
+        line was built from (events_lock_archived says why the lock comes first)."""
+        ids = list(archived)
         with self._pool.get().connection() as conn, conn.transaction():
-            conn.execute(SQL.events_lock_archived, params)
-            return len(conn.execute(SQL.events_remove_archived, params).fetchall())
+            conn.execute(SQL.events_lock_archived, {"ids": ids})
+            now = versions(conn, ids, bounds)
+            unchanged = [event_id for event_id in ids if now.get(event_id) == archived[event_id]]
+            if not unchanged:
+                return 0
+            return len(conn.execute(SQL.events_remove_archived, {"ids": unchanged, **bounds}).fetchall())
 
     def _progress(self, run_id: int, *, archived: int = 0, removed: int = 0, changed: int = 0,
                   files: int = 0) -> None:

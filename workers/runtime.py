@@ -73,7 +73,7 @@ class Runtime:
         """Retention on this process's pool; without LEDGER_ARCHIVE_URL it has no store and never runs."""
         url = self.settings.archive_url
         return Retention(self.pool, open_store(url) if url else None,
-                         self.settings.retention_policy())
+                         self.settings.retention_policy(), budget=self.settings.retention_budget())
 
     @cached_property
     def partitions(self) -> Partitions:

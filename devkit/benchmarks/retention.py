@@ -8,7 +8,9 @@ of about 1.5 KB, pretty-printed as Stripe sends them. Then one retention run (pr
 failed_permanent 120) into an archive directory, or with ``--s3`` a bucket of a moto server process, over
 HTTP. Printed: events archived per second (reading, compressing, writing and reading back the files),
 removed per second, the longest removal transaction, the archive's size, the machine's busy share, and
-the run's CPU per archived event (the private server's and this process's).
+the run's CPU per archived event (the private server's, this process's, and its line builders').
+``--max-rate`` and ``--builders`` set the run's budget (default: LEDGER_RETENTION_*'s); "alone" in issue
+41's targets is ``--partitioned --max-rate 0``.
 
 ``--writers RATE``: meanwhile, new events are recorded at RATE a second through the receiver's own
 statement (ledger.deliveries.EventStore.record_delivery, on a pool of its own), from 20 s before the run
@@ -16,6 +18,7 @@ to its end; printed: that statement's latency (p50, p99, max) before the run and
 a receiver's acknowledgement waits on (a diagnostic, not the receiver's ack time).
 
     ops/devkit-run devkit.benchmarks.retention [--events 3000000] [--s3] [--partitioned] [--writers 100]
+                                               [--max-rate N] [--builders N]
 
 ``scenario`` below is ``ops/bench retention``: the same run as users run the stack, beside an empty ledger.
 """
@@ -34,7 +37,9 @@ from devkit.benchmarks.console_list import busy_share, cpu_times
 from devkit.benchmarks.stack import migrated_database, partition, partition_months
 from devkit.procs import Cleanup
 
-TARGET_ARCHIVE_EPS = 20_000
+# Issue 41's targets: alone (this module's main, the cap off), and beside the stack (the scenario, default budget).
+TARGET_ARCHIVE_EPS = 30_000
+TARGET_ARCHIVE_EPS_BUDGET = 10_000
 DAYS = 180
 
 FILL = """
@@ -165,8 +170,10 @@ def main() -> int:
     parser.add_argument("--partitioned", action="store_true", help="partition the ledger first (by month)")
     parser.add_argument("--writers", type=float, default=0.0, help="new events a second recorded meanwhile "
                         "through the receiver's statement (0: none)")
-    parser.add_argument("--readers", type=int, default=None, help="connections reading slices at once "
-                        "(default: ledger.retention.READERS)")
+    parser.add_argument("--max-rate", type=float, default=None, help="archive events a second at most "
+                        "(default: LEDGER_RETENTION_MAX_RATE's; 0: no cap)")
+    parser.add_argument("--builders", type=int, default=None, help="processes building lines "
+                        "(default: LEDGER_RETENTION_BUILDERS')")
     args = parser.parse_args()
     from ledger.archive import DirectoryStore, open_store
     from ledger.config import RetentionPolicy, Settings
@@ -193,9 +200,16 @@ def main() -> int:
         policy = RetentionPolicy(processed_days=90, failed_days=120)
         pool = ProcessPool(Settings(database_url=url), name="retention-bench")
         cleanup.add("pool", pool.close)
-        from ledger.retention import READERS
+        from dataclasses import replace
 
-        runner = Retention(pool, store, policy, readers=args.readers or READERS)
+        budget = Settings.from_env().retention_budget()
+        budget = replace(budget, **{k: v for k, v in (("max_rate", args.max_rate), ("builders", args.builders))
+                                    if v is not None})
+        print(f"budget: {budget}", flush=True)
+        # The server's CPU when the first file is verified: every file is written by then, none removed.
+        archived_pg: list[float] = []
+        runner = Retention(pool, store, policy, budget=budget,
+                           before_removal=lambda _: archived_pg.append(servers[0].cpu_s()) if not archived_pg else None)
         writers = None
         if args.writers:
             writers = Writers(url, args.writers).start()
@@ -208,6 +222,7 @@ def main() -> int:
         pg_cpu0, own_cpu0 = servers[0].cpu_s(), sum(os.times()[:2])
         report = runner.run()
         pg_us = 1e6 * (servers[0].cpu_s() - pg_cpu0) / max(report.archived, 1)
+        pg_archive_us = 1e6 * ((archived_pg or [pg_cpu0])[0] - pg_cpu0) / max(report.archived, 1)
         runner_us = 1e6 * (sum(os.times()[:2]) - own_cpu0) / max(report.archived, 1)
         busy = busy_share(cpu_before, cpu_times())
         if writers is not None:
@@ -230,7 +245,9 @@ retention run {report.status} on {args.events:,} events ({'S3, moto server' if a
 {report.kept_in_month:,}); longest swap transaction {report.longest_drop_s * 1000:.0f} ms; \
 months that stayed (tables locked) {report.months_deferred}
   whole run {report.seconds:.1f} s; machine busy {busy:.0%}; events left {left:,}
-  CPU per archived event: Postgres {pg_us:.1f} µs, the runner's process {runner_us:.1f} µs (whole run, removal included)
+  CPU per archived event: Postgres {pg_us:.1f} µs, the runner's process {runner_us:.1f} µs, its builders \
+{1e6 * report.build_cpu_s / max(report.archived, 1):.1f} µs (whole run, removal included; Postgres until the \
+files were written: {pg_archive_us:.1f} µs)
 SUMMARY retention events={args.events} archived={report.archived} archive_eps={archive_eps:.0f} \
 read_s={report.read_s:.2f} store_s={report.store_s:.2f} remove_s={report.remove_s:.2f} \
 longest_removal_ms={report.longest_removal_s * 1000:.0f} partitions_dropped={report.partitions_dropped} \
@@ -250,13 +267,14 @@ if __name__ == "__main__":
 SCENARIO_EVENTS = 3_000_000
 ACK_RATE = 100.0          # deliveries a second while retention runs: a busy account's steady traffic
 ACK_WINDOW_S = 30.0       # each retention-free window, before the run and after it
-ACK_NOISE = 1.2           # "within noise": at most this times the worse retention-free window's p99
+ACK_P99_RATIO = 1.5       # ack p99 during the run: at most this times its value before the run,
+ACK_P99_MS = 20.0         # and at most this
 CONSOLE_REQUESTS = 20
 TARGETS = {
     "ack_drain_10pct": "ack rate and drain rate with the history within 10% of the empty ledger's",
     "swap_1s": "a month past the window leaves in a swap holding locks <= 1 s",
-    "ack_p99_noise": f"ack p99 during the run <= {ACK_NOISE:g} x the worse retention-free window's",
-    "archive_20k": f"archive >= {TARGET_ARCHIVE_EPS:,} events/s",
+    "ack_p99_budget": f"ack p99 during the run <= {ACK_P99_RATIO:g} x before it, and <= {ACK_P99_MS:g} ms",
+    "archive_10k": f"archive >= {TARGET_ARCHIVE_EPS_BUDGET:,} events/s with the default budget",
     "console_100ms": "every console page <= 100 ms p95 with the history",
 }
 
@@ -389,7 +407,8 @@ def _acks_around_a_run(b, log) -> dict[str, Any]:
     archive_s = run["read_s"] + run["store_s"]
     run["archive_eps"] = run["archived"] / archive_s if archive_s else 0.0
     run["archive_bytes"] = sum(f.stat().st_size for f in archive.rglob("*") if f.is_file())
-    log(f"  run {run['status']}: archived {run['archived']:,} at {run['archive_eps']:,.0f} events/s, removed "
+    log(f"  run {run['status']}: archived {run['archived']:,} at {run['archive_eps']:,.0f} events/s (builders' CPU "
+        f"{1e6 * run['build_cpu_s'] / max(run['archived'], 1):.0f} µs an event), removed "
         f"{run['removed']:,}; months replaced {run['partitions_dropped']} (longest swap "
         f"{1000 * run['longest_drop_s']:.0f} ms), deferred {run['months_deferred']}")
     return {"rate": ACK_RATE, "phases": phases, "run": run}
@@ -448,13 +467,13 @@ def scenario(b) -> dict[str, Any]:
         f["ratio"] = (sum(f["history"]) / len(f["history"])) / (sum(f["empty"]) / len(f["empty"]) or 1)
     ratios = {name: f["ratio"] for name, f in figures.items()}
     ph = acks["phases"]
-    quiet_p99 = max(ph["before"]["p99_ms"], ph["after"]["p99_ms"])
+    quiet_p99 = ph["before"]["p99_ms"]
     run = acks["run"]
     targets = {
         "ack_drain_10pct": min(ratios.values()) >= 0.9,
         "swap_1s": run["partitions_dropped"] > 0 and run["longest_drop_s"] <= 1.0,
-        "ack_p99_noise": ph["during"]["p99_ms"] <= ACK_NOISE * quiet_p99,
-        "archive_20k": run["archive_eps"] >= TARGET_ARCHIVE_EPS,
+        "ack_p99_budget": ph["during"]["p99_ms"] <= min(ACK_P99_RATIO * quiet_p99, ACK_P99_MS),
+        "archive_10k": run["archive_eps"] >= TARGET_ARCHIVE_EPS_BUDGET,
         "console_100ms": console["worst_p95_ms"] <= 100.0,
     }
     return {"events": total, "days": DAYS, "history": history, "empty": empty, "full": full, "ratios": ratios, "figures": figures,
@@ -485,6 +504,7 @@ def summary(result: dict[str, Any]) -> tuple[str, dict[str, Any]]:
               f"console, worst page: {result['console']['worst']} p95 {result['console']['worst_p95_ms']:.1f} ms", ""]
     lines += [f"- {TARGETS[key]}: **{'met' if ok else 'not met'}**" for key, ok in result["targets"].items()]
     values = {"min_ratio": min(result["ratios"].values()), "archive_eps": run["archive_eps"],
+              "build_cpu_us": 1e6 * run["build_cpu_s"] / max(run["archived"], 1),
               "longest_swap_ms": 1000 * run["longest_drop_s"], "ack_p99_before_ms": ph["before"]["p99_ms"],
               "ack_p99_during_ms": ph["during"]["p99_ms"], "ack_p99_after_ms": ph["after"]["p99_ms"],
               "ack_errors": sum(s["errors"] for s in ph.values()), "console_worst_p95_ms": result["console"]["worst_p95_ms"],

@@ -2,16 +2,29 @@
 -- reconcile reports. Its event list and counts are operations.sql's (events_page,
 -- events_count_capped), shared with ledgerctl.
 
--- name: console_status_counts
--- Exact counts of every status but processed, each read from a partial index. Processed is
--- counted up to a cap (console_processed_count_capped), past which it is the table's estimated
--- size less these (console_table_estimate), shown as an estimate.
-SELECT status, count(*) AS events
-  FROM ledger.events
- WHERE status IN ('received', 'processing', 'failed_recoverable')
- GROUP BY status
-UNION ALL
-SELECT 'failed_permanent', count(*) FROM ledger.events WHERE status = 'failed_permanent'
+-- name: console_unfinished
+-- The overview's exact counts of every status but processed, the oldest unfinished event's age, the
+-- retries due and the leases expired, in one snapshot, each from an index that holds what it reads
+-- (index-only scans; a row's heap page only where the visibility map does not vouch for it): the
+-- unfinished set's count and oldest from its index by received_at, processing and expired leases from
+-- the processing events' (lease INCLUDEd), both failure states and due retries from the failed events'
+-- (migration 0020). Received is the unfinished set less the other two. Processed is counted up to a cap
+-- (console_processed_count_capped), past which it is the table's estimated size less these
+-- (console_table_estimate), shown as an estimate.
+SELECT u.unfinished - p.processing - f.failed_recoverable AS received, p.processing, f.failed_recoverable,
+       f.failed_permanent, extract(epoch FROM now() - u.oldest) AS oldest_unprocessed_age_s, f.due_retries,
+       p.expired_leases
+  FROM (SELECT count(*) AS unfinished, min(received_at) AS oldest
+          FROM ledger.events
+         WHERE status IN ('received', 'processing', 'failed_recoverable')) u,
+       (SELECT count(*) AS processing, count(*) FILTER (WHERE lease_expires_at < now()) AS expired_leases
+          FROM ledger.events
+         WHERE status = 'processing') p,
+       (SELECT count(*) FILTER (WHERE status = 'failed_recoverable') AS failed_recoverable,
+               count(*) FILTER (WHERE status = 'failed_recoverable' AND next_attempt_at <= now()) AS due_retries,
+               count(*) FILTER (WHERE status = 'failed_permanent') AS failed_permanent
+          FROM ledger.events
+         WHERE status IN ('failed_permanent', 'failed_recoverable')) f
 
 -- name: console_processed_count_capped
 -- Processed events, counted up to the cap: past it the overview estimates instead.

@@ -84,7 +84,7 @@ DELETE FROM {table} x USING ledger.retention_archived a
 -- name: events_heap_blocks
 -- How far a run reads: each table holding events (ledger.events itself, or each of its
 -- partitions) and its size in blocks when the run starts (later rows are new); a month's
--- partition with its bounds (ledger.event_archive_lines reads the month's rows only).
+-- partition with its bounds (its events' rows are read in that month's partitions only).
 SELECT relid::text AS relation, pg_relation_size(relid) / current_setting('block_size')::bigint AS blocks,
        p.starts AS created_from, p.ends AS created_to
   FROM (SELECT relid FROM pg_partition_tree('ledger.events') WHERE isleaf
@@ -99,23 +99,65 @@ SELECT ledger.is_partitioned() AS partitioned
 -- name: retention_candidates
 -- The events past their window in a range of the table's blocks (a TID range scan: each
 -- statement reads a bounded slice of the heap in physical order, no index, no sort, no
--- snapshot held between slices), each with the month of its `created` (its archive file)
--- and its archive line. Excluded: an event with an effect still to deliver, and a held one
--- (by id, or by the customer its payload names). {relation}: one of events_heap_blocks'
--- (a TID range means something in one heap, not across a partitioned table's).
-SELECT l.id, l.month, l.line
-  FROM ledger.event_archive_lines(ARRAY(
-        SELECT e.id
-          FROM {relation} e
-         WHERE e.ctid >= format('(%%s,0)', %(first_block)s::bigint)::tid
-           AND e.ctid < format('(%%s,0)', %(end_block)s::bigint)::tid
-           AND ledger.event_past_window(e.status, e.processed_at, e.updated_at, %(processed_days)s, %(failed_days)s)
-           AND NOT EXISTS (SELECT 1 FROM ledger.outbox o
-                            WHERE o.event_id = e.id AND o.status NOT IN ('sent', 'failed_permanent'))
-           AND NOT EXISTS (SELECT 1 FROM ledger.retention_holds h
-                            WHERE h.released_at IS NULL
-                              AND (h.event_id = e.id OR h.customer_id = ledger.event_customer(e.payload)))),
-        %(created_from)s, %(created_to)s) AS l
+-- snapshot held between slices). Excluded: an event with an effect still to deliver, and a
+-- held one (by id, or by the customer its payload names). The relation: one of
+-- events_heap_blocks' (a TID range means something in one heap, not across a partitioned
+-- table's); the columns: what ledger/archive_lines.py builds the events' lines from.
+SELECT {columns}
+  FROM {relation} e
+ WHERE e.ctid >= format('(%%s,0)', %(first_block)s::bigint)::tid
+   AND e.ctid < format('(%%s,0)', %(end_block)s::bigint)::tid
+   AND ledger.event_past_window(e.status, e.processed_at, e.updated_at, %(processed_days)s, %(failed_days)s)
+   AND NOT EXISTS (SELECT 1 FROM ledger.outbox o
+                    WHERE o.event_id = e.id AND o.status NOT IN ('sent', 'failed_permanent'))
+   AND NOT EXISTS (SELECT 1 FROM ledger.retention_holds h
+                    WHERE h.released_at IS NULL
+                      AND (h.event_id = e.id OR h.customer_id = ledger.event_customer(e.payload)))
+
+-- name: archive_session_utc
+-- An archive line's timestamps say +00:00, whatever the server's or the runner's time zone.
+SET TIME ZONE 'UTC'
+
+-- name: archive_table_columns
+-- A ledger table's columns in row_to_json's order, with their types: what an archive line holds.
+SELECT attname::text AS name, format_type(atttypid, NULL) AS type
+  FROM pg_attribute
+ WHERE attrelid = %(table)s::regclass AND attnum > 0 AND NOT attisdropped
+ ORDER BY attnum
+
+-- name: archive_slice_ids_create
+-- A builder's slice's event ids, for its statements to read (a transaction's: emptied at its end).
+CREATE TEMPORARY TABLE IF NOT EXISTS archive_slice_ids (id text NOT NULL) ON COMMIT DELETE ROWS
+
+-- name: archive_slice_ids_copy
+COPY archive_slice_ids (id) FROM STDIN
+
+-- name: archive_rows_of
+-- The rows of one table naming these events, for their archive lines: each event's in its
+-- line's order. The columns: the row's place (its event's version) and its columns; the month:
+-- archive_rows_in_month for a table partitioned by its event's month, else TRUE.
+SELECT {columns}
+  FROM {table} x
+ WHERE x.event_id = ANY (ARRAY(SELECT id FROM archive_slice_ids)) AND {month}
+ ORDER BY x.event_id, {order}
+
+-- name: archive_row_places
+-- Where each row naming these events is, and which transaction wrote it: their versions
+-- now (ledger/archive_lines.py), compared under their locks with those of their lines.
+SELECT {event_id} AS event_id, x.tableoid::text || ':' || x.ctid::text || ':' || x.xmin::text AS place
+  FROM {table} x
+ WHERE {event_id} = ANY (%(ids)s::text[]) AND {month}
+
+-- name: archive_rows_in_month
+-- A fragment: the rows of a table partitioned by month, in the month of created_from..created_to
+-- only (NULL: every month).
+(%(created_from)s::timestamptz IS NULL
+ OR (x.event_created >= %(created_from)s::timestamptz AND x.event_created < %(created_to)s::timestamptz))
+
+-- name: archive_events_in_month
+-- A fragment: archive_rows_in_month for the events themselves.
+(%(created_from)s::timestamptz IS NULL
+ OR (x.stripe_created >= %(created_from)s::timestamptz AND x.stripe_created < %(created_to)s::timestamptz))
 
 -- name: retention_count_held
 -- Events past their window that a hold keeps: reported by each run.
@@ -141,17 +183,16 @@ SELECT e.id FROM ledger.events e WHERE e.id = ANY (%(ids)s::text[]) ORDER BY e.i
 
 -- name: events_remove_archived
 -- Archived and verified -> gone, with every row that names them (here: on a partitioned ledger
--- they name their event without a foreign key, so no cascade takes them): only an event whose
--- archive line is still what the file holds. created_from/created_to: the file's month on a
+-- they name their event without a foreign key, so no cascade takes them). %(ids)s: the page's
+-- events whose version is still their line's (archive_row_places, under events_lock_archived's
+-- locks); one that changed since (a delivery appended, a replay) is not among them: it stays,
+-- and the next run archives it again. created_from/created_to: the file's month on a
 -- partitioned ledger (its partitions only are read), NULL on a plain one.
--- One that changed since (a delivery appended, a replay) stays, and the next run archives it again.
-WITH archived AS (
-    SELECT a.id, a.fingerprint FROM unnest(%(ids)s::text[], %(fingerprints)s::text[]) AS a(id, fingerprint)
-), unchanged AS (
-    SELECT l.id FROM ledger.event_archive_lines(%(ids)s::text[], %(created_from)s, %(created_to)s) AS l
-      JOIN archived a ON a.id = l.id AND a.fingerprint = md5(l.line)
-), gone AS (
-    DELETE FROM ledger.events e USING unchanged u WHERE e.id = u.id
+WITH gone AS (
+    DELETE FROM ledger.events e
+     WHERE e.id = ANY (%(ids)s::text[])
+       AND (%(created_from)s::timestamptz IS NULL
+            OR (e.stripe_created >= %(created_from)s AND e.stripe_created < %(created_to)s))
     RETURNING e.id
 ), deliveries AS (
     DELETE FROM ledger.deliveries x USING gone g WHERE x.event_id = g.id

@@ -57,7 +57,8 @@ class _Context:
 
         url = self.settings.archive_url
         return Retention(self.pool, open_store(url) if url else None,
-                         self.settings.retention_policy(), runner=f"ledgerctl:{_actor()}")
+                         self.settings.retention_policy(), budget=self.settings.retention_budget(),
+                         runner=f"ledgerctl:{_actor()}")
 
     def waker(self):
         from workers.app import make_celery

@@ -2,6 +2,7 @@
 writes, one interrupted mid-build and built again, and one on a partitioned ledger."""
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -16,6 +17,10 @@ from ledger.partition_migration import PartitionMigration
 INDEX_MIGRATION = next(m for m in available_migrations() if not m.in_transaction)
 BEFORE = INDEX_MIGRATION.version - 1
 OBJECT_INDEX = "events_object_idx"
+# Migration 0020: the console's covering indexes, and the index each replaces.
+COVERING_MIGRATION = next(m for m in available_migrations() if "events_failed_idx" in m.sql)
+COVERING_INDEXES = {"events_failed_idx": "events_failed_permanent_idx",
+                    "events_processing_lease_idx": "events_processing_liveness_idx"}
 
 
 def _insert_event(conn, n: int) -> None:
@@ -136,6 +141,8 @@ def test_on_a_partitioned_ledger_every_partition_gets_the_index(fresh_db, settin
     assert indexed == partitions  # the later month's too, from the parent
     assert _validity(fresh_db, OBJECT_INDEX) is True
     assert _validity(fresh_db, "events_received_at_id_idx") is None  # replaced (0019): a partitioned index dropped
+    for built, replaced in COVERING_INDEXES.items():  # 0020: on every partition, and the ones replaced gone
+        assert _validity(fresh_db, built) is True and _validity(fresh_db, replaced) is None
 
 
 def test_a_migration_outside_a_transaction_holds_only_concurrent_index_builds():
@@ -160,3 +167,62 @@ def test_the_thin_filter_is_written_as_its_index_states_it():
 
     [migration] = [m for m in available_migrations() if "events_thin_received_at_id_idx" in m.sql]
     assert _SOURCE_PREDICATES["thin"].replace("e.type", "type") in migration.sql
+
+
+def _insert_in_state(conn, n: int, status: str, reason: str | None = None, *, due: bool = False,
+                     expired: bool = False) -> None:
+    """An event in ``status`` written directly (as a ledger of before the migration holds them)."""
+    at = "now() - interval '1 minute'" if due or expired else "now() + interval '1 hour'"
+    conn.execute(
+        "INSERT INTO ledger.events (id, type, status, failure_reason, stripe_created, livemode, payload, received_at, "
+        "next_attempt_at, lease_owner, lease_expires_at, processed_at) "
+        f"VALUES (%s, %s, %s, %s, now(), false, '{{}}'::json, now() - make_interval(mins => %s), "
+        f"CASE WHEN %s = 'failed_recoverable' THEN {at} END, CASE WHEN %s = 'processing' THEN 'w:1' END, "
+        f"CASE WHEN %s = 'processing' THEN {at} END, CASE WHEN %s = 'processed' THEN now() END)",
+        (f"evt_cov{n}", f"invoice.t{n % 3}", status, reason, n, status, status, status, status))
+
+
+def test_the_console_counts_are_read_from_the_covering_indexes_alone(fresh_db):
+    """Migration 0020 on a ledger holding events in every state: its indexes are built, the ones they replace
+    are gone, and the overview's counts and the failure groups need nothing else, with the exact answers."""
+    from ledger.queries import SQL
+
+    migrate(fresh_db, upto=COVERING_MIGRATION.version - 1)
+    with psycopg.connect(fresh_db, autocommit=True) as conn:
+        states = ([("processed", None, {})] * 5 + [("received", None, {})] * 4
+                  + [("processing", None, {}), ("processing", None, {"expired": True})]
+                  + [("failed_recoverable", "db_unavailable", {}),
+                     ("failed_recoverable", "db_unavailable", {"due": True})]
+                  + [("failed_permanent", "rejected_by_handler", {})] * 3
+                  + [("failed_permanent", "unsupported_type", {})])
+        for n, (status, reason, when) in enumerate(states):
+            _insert_in_state(conn, n, status, reason, **when)
+
+    said: list[str] = []
+    migrate(fresh_db, say=said.append)
+
+    for built, replaced in COVERING_INDEXES.items():
+        assert _validity(fresh_db, built) is True and _validity(fresh_db, replaced) is None
+        assert any(f"building index ledger.{built} on ledger.events" in line for line in said), said
+        assert any(f"dropping index ledger.{replaced}" in line for line in said), said
+    with psycopg.connect(fresh_db, autocommit=True) as conn:
+        conn.execute("VACUUM (ANALYZE) ledger.events")  # every page all-visible: index-only reads need no heap
+        conn.execute("SET enable_seqscan = off; SET enable_bitmapscan = off")  # an index scan needs enable_indexscan
+        for statement, indexes in ((SQL.console_unfinished, ("events_processing_lease_idx", "events_failed_idx")),
+                                   (SQL.console_failure_groups, ("events_failed_idx",))):
+            plan = "\n".join(r[0] for r in conn.execute("EXPLAIN (ANALYZE, COSTS OFF) " + statement, {"limit": 200}))
+            scans = re.findall(r"(\w+(?: \w+)* Scan)(?: using (\w+))? on events", plan)
+            assert scans and {scan for scan, _ in scans} == {"Index Only Scan"}, plan  # never a row read for a column
+            assert set(indexes) <= {index for _, index in scans}, plan
+            assert set(re.findall(r"Heap Fetches: (\d+)", plan)) == {"0"}, plan
+        unfinished = conn.execute(SQL.console_unfinished).fetchone()
+        groups = conn.execute(SQL.console_failure_groups, {"limit": 200}).fetchall()
+    # received, processing, failed_recoverable, failed_permanent, age (the oldest: 12 minutes), due, expired
+    assert unfinished[:4] == (4, 2, 2, 4) and unfinished[5:] == (1, 1) and 12 * 60 <= unfinished[4] < 13 * 60
+    assert sorted((status, reason, type_, n) for status, reason, type_, n, _, _ in groups) == [
+        ("failed_permanent", "rejected_by_handler", "invoice.t0", 1),
+        ("failed_permanent", "rejected_by_handler", "invoice.t1", 1),
+        ("failed_permanent", "rejected_by_handler", "invoice.t2", 1),
+        ("failed_permanent", "unsupported_type", "invoice.t1", 1),
+        ("failed_recoverable", "db_unavailable", "invoice.t0", 1),
+        ("failed_recoverable", "db_unavailable", "invoice.t2", 1)]

@@ -69,7 +69,20 @@ BAD = {
     "STRIPE_FETCH_CONCURRENCY zero": ("STRIPE_FETCH_CONCURRENCY", "0"),
     "STRIPE_FETCH_CONCURRENCY not an integer": ("STRIPE_FETCH_CONCURRENCY", "eight"),
     "LEDGER_RETRY_CAP_S infinite": ("LEDGER_RETRY_CAP_S", "inf"),
+    "LEDGER_RETENTION_MAX_RATE negative": ("LEDGER_RETENTION_MAX_RATE", "-1"),
+    "LEDGER_RETENTION_BUILDERS zero": ("LEDGER_RETENTION_BUILDERS", "0"),
+    "LEDGER_RETENTION_NICE above 19": ("LEDGER_RETENTION_NICE", "20"),
+    "LEDGER_RETENTION_NICE not an integer": ("LEDGER_RETENTION_NICE", "low"),
 }
+
+
+def test_a_retention_runs_budget_is_read_from_its_three_variables():
+    from ledger.config import RetentionBudget
+
+    assert Settings.from_env(GOOD).retention_budget() == RetentionBudget()
+    budget = Settings.from_env({**GOOD, "LEDGER_RETENTION_MAX_RATE": "0", "LEDGER_RETENTION_BUILDERS": "3",
+                                "LEDGER_RETENTION_NICE": "19"}).retention_budget()
+    assert budget == RetentionBudget(max_rate=0.0, builders=3, nice=19)
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
