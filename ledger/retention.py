@@ -129,7 +129,6 @@ class Retention:
                 report.kept_by_hold = self._all(SQL.retention_count_held, self.policy.params())[0]["held"]
                 report.status = "done"
             except Exception as exc:
-                import traceback; traceback.print_exc()  # DEBUG
                 report.status, report.error = "failed", f"{type(exc).__name__}: {exc}"
                 log.error("retention run failed; nothing unarchived was removed",
                           extra={"run_id": run_id, "error_class": type(exc).__name__})
