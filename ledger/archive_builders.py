@@ -12,8 +12,10 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -41,10 +43,36 @@ class Slice:
 _builder: LineBuilder | None = None
 
 
+def at_most_priority(nice: int) -> int:
+    """The calling thread niced to ``nice`` unless it already is at or past it (on Linux a niceness is a
+    thread's, so a runner's thread of a worker process leaves the process's other threads as they were);
+    the niceness it had before."""
+    tid = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, tid)
+    if nice > before:
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+    return before
+
+
+@contextmanager
+def yielding(nice: int) -> Iterator[None]:
+    """The calling thread niced to ``nice`` for the block: a retention run's own writing, verifying and
+    removing give way to live traffic as its builders do. Put back after it where the process may raise
+    its priority again (root, or CAP_SYS_NICE); elsewhere the thread stays niced, which the command's
+    process and the sweep's retention thread, which only run retention, can afford."""
+    before = at_most_priority(nice)
+    try:
+        yield
+    finally:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), before)
+        except PermissionError:
+            pass
+
+
 def _start(settings: Settings, nice: int) -> None:
     global _builder
-    if nice:
-        os.nice(nice)
+    at_most_priority(nice)
     # A slice's rows and lines hold no reference cycles, and are freed by their counts when it is done:
     # the collector would only walk them, again and again, while they are built.
     gc.disable()

@@ -43,9 +43,10 @@ class RetentionPolicy:
 @dataclass(frozen=True)
 class RetentionBudget:
     """How much of the machine a retention run may take (ledger/archive_builders.py): the processes that
-    build its archive lines, their niceness, and the archive rate they are held to (events a second over
-    the run; 0: as fast as they go). The default is the rate a run keeps beside a stack taking 100
-    deliveries a second on two cores (docs/benchmarks.md, "Retention within a budget")."""
+    build its archive lines, their niceness (the run's own thread's too), and the archive rate they are
+    held to (events a second over the run; 0: as fast as they go). The default is the rate a run keeps
+    beside a stack taking 100 deliveries a second on two cores (docs/benchmarks.md, "Retention within a
+    budget")."""
     max_rate: float = 12_000.0
     builders: int = 2
     nice: int = 10

@@ -38,7 +38,7 @@ from psycopg import errors, sql as pgsql
 
 from ledger.archive import (ArchiveStore, ArchiveWriter, Manifest, MANIFEST_SUFFIX, fetch_verified, file_key,
                             read_lines, sha256_of)
-from ledger.archive_builders import Builders, Pace, Slice
+from ledger.archive_builders import Builders, Pace, Slice, yielding
 from ledger.archive_lines import versions
 from ledger.db import ProcessPool, session_lock
 from ledger.config import RetentionBudget, RetentionPolicy
@@ -125,7 +125,8 @@ class Retention:
             run_id = self._all(SQL.retention_run_start, {"runner": self.runner, **self.policy.params()})[0]["id"]
             report = RunReport(run_id, "running")
             try:
-                self._archive_and_remove(report)
+                with yielding(self.budget.nice):
+                    self._archive_and_remove(report)
                 report.kept_by_hold = self._all(SQL.retention_count_held, self.policy.params())[0]["held"]
                 report.status = "done"
             except Exception as exc:
