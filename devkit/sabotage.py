@@ -50,14 +50,14 @@ SABOTAGES = (
         "apply transaction no longer proves the lease is ours: lease_owner dropped from "
         "event_lock_if_lease_held and event_finish_if_lease_held (ledger/sql/events.sql)",
         (("ledger/sql/events.sql",
-          " WHERE id = %(id)s AND coalesce(status, '') = 'processing' AND lease_owner = %(lease_owner)s\n"
+          "                    AND coalesce(status, '') = 'processing' AND lease_owner = %(lease_owner)s\n"
           "                    FOR NO KEY UPDATE",
-          " WHERE id = %(id)s AND coalesce(status, '') = 'processing'\n"
+          "                    AND coalesce(status, '') = 'processing'\n"
           "                    FOR NO KEY UPDATE"),
          ("ledger/sql/events.sql",
-          "     WHERE id = %(id)s AND coalesce(status, '') = 'processing' AND lease_owner = %(lease_owner)s\n"
+          "       AND coalesce(status, '') = 'processing' AND lease_owner = %(lease_owner)s\n"
           " RETURNING id\n), closed AS (\n    UPDATE ledger.attempts\n       SET outcome = 'processed'",
-          "     WHERE id = %(id)s AND coalesce(status, '') = 'processing'\n"
+          "       AND coalesce(status, '') = 'processing'\n"
           " RETURNING id\n), closed AS (\n    UPDATE ledger.attempts\n       SET outcome = 'processed'")),
         ("tests/integration/test_worker_fencing.py",)),
     Sabotage(
@@ -65,11 +65,12 @@ SABOTAGES = (
         "the set-based apply's fence and finish no longer check the lease owner: "
         "events_lock_if_leases_held and events_finish_if_leases_held (ledger/sql/events.sql)",
         (("ledger/sql/events.sql",
-          "    ON e.id = m.id AND e.lease_owner = m.lease_owner\n WHERE coalesce(e.status, '') = 'processing'",
-          "    ON e.id = m.id\n WHERE coalesce(e.status, '') = 'processing'"),
+          "    ON e.id = m.id AND e.stripe_created = m.created AND e.lease_owner = m.lease_owner\n",
+          "    ON e.id = m.id AND e.stripe_created = m.created\n"),
          ("ledger/sql/events.sql",
-          "     WHERE e.id = m.id AND coalesce(e.status, '') = 'processing' AND e.lease_owner = m.lease_owner",
-          "     WHERE e.id = m.id AND coalesce(e.status, '') = 'processing'")),
+          "     WHERE e.id = m.id AND e.stripe_created = m.created AND coalesce(e.status, '') = 'processing'\n"
+          "       AND e.lease_owner = m.lease_owner\n",
+          "     WHERE e.id = m.id AND e.stripe_created = m.created AND coalesce(e.status, '') = 'processing'\n")),
         ("tests/integration/test_worker_fencing.py", "tests/integration/test_worker_batch.py")),
     Sabotage(
         "retention-removes-before-verifying",
@@ -154,7 +155,8 @@ SABOTAGES = (
         "(workers/rowsql.py, _guard)",
         (("workers/rowsql.py",
           '    newer = sql.SQL("(t.source_event_created, t.source_event_id) "\n'
-          '                    "< (EXCLUDED.source_event_created, EXCLUDED.source_event_id)")',
+          '                    "{op} (EXCLUDED.source_event_created, EXCLUDED.source_event_id)").format(\n'
+          '        op=sql.SQL("<=" if or_same else "<"))',
           '    newer = sql.SQL("true")'),),
         ("tests/integration/test_billing_ordering.py", "tests/integration/test_billing_idempotency.py",
          DIFFERENTIAL)),
@@ -211,9 +213,9 @@ SABOTAGES = (
           "     WHERE id = ANY(%(ids)s)\n       FOR NO KEY UPDATE SKIP LOCKED"),
          ("ledger/sql/events.sql",
           "           redrives         = 0,\n           updated_at       = now()\n"
-          "     WHERE id IN (SELECT id FROM claimable)",
+          "     WHERE (id, stripe_created) IN (SELECT id, stripe_created FROM claimable)",
           "           redrives         = 0,\n           processed_at     = NULL,\n           updated_at       = now()\n"
-          "     WHERE id IN (SELECT id FROM claimable)")),
+          "     WHERE (id, stripe_created) IN (SELECT id, stripe_created FROM claimable)")),
         ("tests/integration/test_worker_batch.py", "tests/e2e/test_worker_concurrency.py",
          "tests/integration/test_worker_processor.py")),
     Sabotage(

@@ -164,8 +164,8 @@ class WorkerLedger:
 
     def fail(self, claim: Claim, failure: FailureRecord) -> None:
         """Record a failed attempt; raises LeaseLost if the lease is no longer ours."""
-        params = {"id": claim.event_id, "lease_owner": claim.lease_owner, "attempt": claim.attempt,
-                  "status": failure.status.value, "reason": failure.reason, "error_class": failure.error_class,
+        params = {"id": claim.event_id, "created": claim.created, "lease_owner": claim.lease_owner,
+                  "attempt": claim.attempt, "status": failure.status.value, "reason": failure.reason, "error_class": failure.error_class,
                   "error": failure.error[:2000], "delay_s": failure.delay_s, "wake_scheduled": failure.wake_scheduled}
         if not run_statement(self._pool, SQL.event_fail_if_lease_held, params):
             raise LeaseLost()
@@ -202,7 +202,7 @@ class WorkerLedger:
 
     def mark_lease_lost(self, claim: Claim, detail: str) -> None:
         run_statement(self._pool, SQL.attempt_mark_lease_lost,
-                      {"id": claim.event_id, "attempt": claim.attempt, "error": detail})
+                      {"id": claim.event_id, "created": claim.created, "attempt": claim.attempt, "error": detail})
 
     def end_sessions_of_expired_leases(self) -> list[int]:
         """End the sessions (a stopped worker's) that still hold the liveness keys of leases that ran out,
@@ -309,7 +309,8 @@ class ApplyTransaction:
         finish refused; none of its writes stays), the body's or a statement's error as raised (its
         savepoint rolled back), BatchLost when the transaction itself is gone."""
         conn = self._conn
-        keys = {"id": claim.event_id, "lease_owner": claim.lease_owner, "attempt": claim.attempt}
+        keys = {"id": claim.event_id, "created": claim.created, "lease_owner": claim.lease_owner,
+                "attempt": claim.attempt}
         try:
             conn.execute(f"SAVEPOINT {self._SAVEPOINT}")
             if self._settings_changed:
@@ -349,7 +350,7 @@ class SetApplyTransaction(ApplyTransaction):
     def __init__(self, conn: psycopg.Connection, pipeline: psycopg.Pipeline, claims: Sequence[Claim]):
         super().__init__(conn, pipeline)
         rows = conn.execute(SQL.events_lock_if_leases_held, {
-            "ids": [claim.event_id for claim in claims],
+            "ids": [claim.event_id for claim in claims], "createds": [claim.created for claim in claims],
             "lease_owners": [claim.lease_owner for claim in claims]}).fetchall()
         self.held: frozenset[str] = frozenset(row[0] for row in rows)
         self._applied: list[Claim] = []
@@ -382,5 +383,6 @@ class SetApplyTransaction(ApplyTransaction):
         if self._applied:
             self._conn.execute(SQL.events_finish_if_leases_held, {
                 "ids": [claim.event_id for claim in self._applied],
+                "createds": [claim.created for claim in self._applied],
                 "lease_owners": [claim.lease_owner for claim in self._applied],
                 "attempts": [claim.attempt for claim in self._applied]})

@@ -329,6 +329,7 @@ class DrainScript:
         # "ids": a claim of the wake-ups a worker holds, here the one event (a one-element array).
         ledger = {"id": ":ev_id", "ids": "ARRAY[:ev_id]::text[]", "worker": ":worker",
                   "lease_owner": ":lease_owner", "lease_s": ":lease_s", "attempt": ":cl_attempts",
+                  "created": "(:cl_stripe_created)::timestamptz",
                   "liveness_key": "NULL::bigint"}  # a lease alone, as a worker without liveness claims
         lines = ["\\set i :i + 1",
                  "\\set n :client_id + 1 + :nclients * (:i - 1)",

@@ -6,6 +6,11 @@
 -- events, whose predicate is a status test. It prefers those whenever its statistics say few
 -- events are unfinished, and on a ledger whose backlog grew since, that reads the whole backlog
 -- for each id: 7 ms at 5,000 unfinished events, against 0.1 ms through the primary key.
+-- Once an event is claimed, its statements name it by its whole key, (id, stripe_created): on a
+-- partitioned ledger an id alone is looked up in every month's partition, and a worker's claim,
+-- fence and finish did that about seven times an event (docs/retention.md, "Partitions"). The
+-- attempt a claim closes for a worker gone is still found by id: on a ledger never partitioned, an
+-- attempt from before migration 0012 has no event_created.
 
 -- name: event_record_delivery
 -- Receiver and catch-up: a new id becomes `received`; a known id is left as it is
@@ -77,7 +82,7 @@ SELECT id, type, status, attempts, failure_reason, last_error, stripe_created, l
 -- session (ledger/liveness.py; NULL: none); once nobody holds it, the rescuer takes the
 -- lease over without waiting for it to expire (event_rescue_if_owner_gone).
 WITH claimable AS (
-    SELECT id
+    SELECT id, stripe_created
       FROM ledger.events
      WHERE id = ANY(%(ids)s)
        AND (coalesce(status, '') = 'received'
@@ -93,7 +98,7 @@ WITH claimable AS (
            attempts         = attempts + 1,
            redrives         = 0,
            updated_at       = now()
-     WHERE id IN (SELECT id FROM claimable)
+     WHERE (id, stripe_created) IN (SELECT id, stripe_created FROM claimable)
  RETURNING id, type, attempts, attempts - attempt_base AS tries, payload, stripe_created,
            livemode, api_version, account, lease_liveness_key
 ), closed AS (
@@ -119,7 +124,8 @@ SELECT claimed.*, claimed.id IN (SELECT event_id FROM closed) AS rescued FROM cl
 -- back that savepoint alone.
 SELECT coalesce((SELECT id
                    FROM ledger.events
-                  WHERE id = %(id)s AND coalesce(status, '') = 'processing' AND lease_owner = %(lease_owner)s
+                  WHERE id = %(id)s AND stripe_created = %(created)s
+                    AND coalesce(status, '') = 'processing' AND lease_owner = %(lease_owner)s
                     FOR NO KEY UPDATE),
                 ledger.lease_not_held(%(id)s)) AS id
 
@@ -135,12 +141,13 @@ WITH finished AS (
        SET status = 'processed', processed_at = now(), lease_owner = NULL,
            lease_expires_at = NULL, lease_liveness_key = NULL, next_attempt_at = NULL, failure_reason = NULL,
            last_error = NULL, updated_at = now()
-     WHERE id = %(id)s AND coalesce(status, '') = 'processing' AND lease_owner = %(lease_owner)s
+     WHERE id = %(id)s AND stripe_created = %(created)s
+       AND coalesce(status, '') = 'processing' AND lease_owner = %(lease_owner)s
  RETURNING id
 ), closed AS (
     UPDATE ledger.attempts
        SET outcome = 'processed', finished_at = now()
-     WHERE event_id IN (SELECT id FROM finished) AND attempt = %(attempt)s
+     WHERE event_id IN (SELECT id FROM finished) AND event_created = %(created)s AND attempt = %(attempt)s
 )
 SELECT coalesce((SELECT id FROM finished), ledger.lease_not_held(%(id)s)) AS event_id
 
@@ -153,8 +160,8 @@ SELECT coalesce((SELECT id FROM finished), ledger.lease_not_held(%(id)s)) AS eve
 -- Held to COMMIT, so no one re-claims a member while the batch applies.
 SELECT e.id
   FROM ledger.events e
-  JOIN unnest(%(ids)s::text[], %(lease_owners)s::text[]) AS m(id, lease_owner)
-    ON e.id = m.id AND e.lease_owner = m.lease_owner
+  JOIN unnest(%(ids)s::text[], %(createds)s::timestamptz[], %(lease_owners)s::text[]) AS m(id, created, lease_owner)
+    ON e.id = m.id AND e.stripe_created = m.created AND e.lease_owner = m.lease_owner
  WHERE coalesce(e.status, '') = 'processing'
  ORDER BY e.id
    FOR NO KEY UPDATE OF e
@@ -167,21 +174,23 @@ SELECT e.id
 -- not, LL001 (ledger.lease_not_held) aborts the transaction and the COMMIT behind
 -- it never runs; the caller rolls back and applies the batch member by member.
 WITH members AS (
-    SELECT * FROM unnest(%(ids)s::text[], %(lease_owners)s::text[], %(attempts)s::int[])
-                  AS m(id, lease_owner, attempt)
+    SELECT * FROM unnest(%(ids)s::text[], %(createds)s::timestamptz[], %(lease_owners)s::text[], %(attempts)s::int[])
+                  AS m(id, created, lease_owner, attempt)
 ), finished AS (
     UPDATE ledger.events e
        SET status = 'processed', processed_at = now(), lease_owner = NULL,
            lease_expires_at = NULL, lease_liveness_key = NULL, next_attempt_at = NULL, failure_reason = NULL,
            last_error = NULL, updated_at = now()
       FROM members m
-     WHERE e.id = m.id AND coalesce(e.status, '') = 'processing' AND e.lease_owner = m.lease_owner
+     WHERE e.id = m.id AND e.stripe_created = m.created AND coalesce(e.status, '') = 'processing'
+       AND e.lease_owner = m.lease_owner
  RETURNING e.id
 ), closed AS (
     UPDATE ledger.attempts a
        SET outcome = 'processed', finished_at = now()
       FROM members m
-     WHERE a.event_id = m.id AND a.attempt = m.attempt AND a.event_id IN (SELECT id FROM finished)
+     WHERE a.event_id = m.id AND a.event_created = m.created AND a.attempt = m.attempt
+       AND a.event_id IN (SELECT id FROM finished)
 )
 SELECT CASE WHEN (SELECT count(*) FROM finished) = cardinality(%(ids)s::text[])
             THEN (SELECT count(*) FROM finished)
@@ -208,12 +217,13 @@ WITH failed AS (
            lease_expires_at = NULL,
            lease_liveness_key = NULL,
            updated_at       = now()
-     WHERE id = %(id)s AND coalesce(status, '') = 'processing' AND lease_owner = %(lease_owner)s
+     WHERE id = %(id)s AND stripe_created = %(created)s
+       AND coalesce(status, '') = 'processing' AND lease_owner = %(lease_owner)s
  RETURNING id
 )
 UPDATE ledger.attempts
    SET outcome = %(status)s, finished_at = now(), error_class = %(error_class)s, error = %(error)s
- WHERE event_id IN (SELECT id FROM failed) AND attempt = %(attempt)s
+ WHERE event_id IN (SELECT id FROM failed) AND event_created = %(created)s AND attempt = %(attempt)s
 RETURNING event_id
 
 -- name: attempt_mark_lease_lost
@@ -221,7 +231,7 @@ RETURNING event_id
 -- history says what happened. Guarded by outcome so a closed attempt is kept.
 UPDATE ledger.attempts
    SET outcome = 'lease_lost', finished_at = now(), error_class = 'LeaseLost', error = %(error)s
- WHERE event_id = %(id)s AND attempt = %(attempt)s AND outcome = 'running'
+ WHERE event_id = %(id)s AND event_created = %(created)s AND attempt = %(attempt)s AND outcome = 'running'
 
 -- name: event_sweep_overdue_wakeups
 -- Sweep: pick events that could run now but whose wake-up is overdue (the

@@ -224,7 +224,8 @@ class LedgerMachine(RuleBasedStateMachine):
             # its connection goes away without COMMIT.
             conn = psycopg.connect(self.env.settings.database_url)
             try:
-                keys = {"id": eid, "lease_owner": claim.lease_owner, "attempt": claim.attempt}
+                keys = {"id": eid, "created": claim.created, "lease_owner": claim.lease_owner,
+                        "attempt": claim.attempt}
                 assert conn.execute(SQL.event_lock_if_lease_held, keys).fetchone() is not None
                 conn.execute("INSERT INTO public.test_effects (event_id) VALUES (%s)", (eid,))
             finally:

@@ -138,8 +138,8 @@ def test_marking_a_lost_lease_closes_an_attempt_still_running_as_lease_lost(kit)
 def test_at_the_sql_level_a_stale_lease_owner_cannot_lock_finish_or_fail(kit):
     evt_id = record_effect_event(kit)
     ledger_a, claim_a, ledger_b, claim_b = take_over(kit, evt_id)
-    stale = {"id": evt_id, "lease_owner": claim_a.lease_owner, "attempt": claim_a.attempt}
-    fresh = {"id": evt_id, "lease_owner": claim_b.lease_owner, "attempt": claim_b.attempt}
+    stale = {"id": evt_id, "created": claim_a.created, "lease_owner": claim_a.lease_owner, "attempt": claim_a.attempt}
+    fresh = {"id": evt_id, "created": claim_b.created, "lease_owner": claim_b.lease_owner, "attempt": claim_b.attempt}
     before = kit.event(evt_id)
 
     # The apply transaction's fence and finish refuse with LL001 (it reads nothing back before COMMIT).
