@@ -164,9 +164,9 @@ class WorkerLedger:
 
     def fail(self, claim: Claim, failure: FailureRecord) -> None:
         """Record a failed attempt; raises LeaseLost if the lease is no longer ours."""
-        params = {"id": claim.event_id, "created": claim.created, "lease_owner": claim.lease_owner,
-                  "attempt": claim.attempt, "status": failure.status.value, "reason": failure.reason, "error_class": failure.error_class,
-                  "error": failure.error[:2000], "delay_s": failure.delay_s, "wake_scheduled": failure.wake_scheduled}
+        params = {**_keys(claim), "status": failure.status.value, "reason": failure.reason,
+                  "error_class": failure.error_class, "error": failure.error[:2000], "delay_s": failure.delay_s,
+                  "wake_scheduled": failure.wake_scheduled}
         if not run_statement(self._pool, SQL.event_fail_if_lease_held, params):
             raise LeaseLost()
 
@@ -202,7 +202,7 @@ class WorkerLedger:
 
     def mark_lease_lost(self, claim: Claim, detail: str) -> None:
         run_statement(self._pool, SQL.attempt_mark_lease_lost,
-                      {"id": claim.event_id, "created": claim.created, "attempt": claim.attempt, "error": detail})
+                      {**_keys(claim), "error": detail})
 
     def end_sessions_of_expired_leases(self) -> list[int]:
         """End the sessions (a stopped worker's) that still hold the liveness keys of leases that ran out,
@@ -222,6 +222,19 @@ class WorkerLedger:
         """Mark up to ``batch`` overdue events as re-driven and return their ids."""
         rows = run_statement(self._pool, SQL.event_sweep_overdue_wakeups, {"overdue_s": overdue_s, "batch": batch})
         return [row["id"] for row in rows]
+
+
+def _keys(claim: Claim) -> dict[str, Any]:
+    """What a claimed event's statements name it and its attempt by: its whole key (id, stripe_created),
+    so that a partitioned ledger reads the event's month alone, the lease that fences it, the attempt."""
+    return {"id": claim.event_id, "created": claim.created, "lease_owner": claim.lease_owner,
+            "attempt": claim.attempt}
+
+
+def _batch_keys(claims: Sequence[Claim]) -> dict[str, list[Any]]:
+    """``_keys`` of each claim of a batch, as the arrays its set-based statements unnest."""
+    return {"ids": [claim.event_id for claim in claims], "createds": [claim.created for claim in claims],
+            "lease_owners": [claim.lease_owner for claim in claims], "attempts": [claim.attempt for claim in claims]}
 
 
 def _claim(row: dict[str, Any], lease_owner: str) -> Claim:
@@ -309,8 +322,7 @@ class ApplyTransaction:
         finish refused; none of its writes stays), the body's or a statement's error as raised (its
         savepoint rolled back), BatchLost when the transaction itself is gone."""
         conn = self._conn
-        keys = {"id": claim.event_id, "created": claim.created, "lease_owner": claim.lease_owner,
-                "attempt": claim.attempt}
+        keys = _keys(claim)
         try:
             conn.execute(f"SAVEPOINT {self._SAVEPOINT}")
             if self._settings_changed:
@@ -349,9 +361,7 @@ class SetApplyTransaction(ApplyTransaction):
 
     def __init__(self, conn: psycopg.Connection, pipeline: psycopg.Pipeline, claims: Sequence[Claim]):
         super().__init__(conn, pipeline)
-        rows = conn.execute(SQL.events_lock_if_leases_held, {
-            "ids": [claim.event_id for claim in claims], "createds": [claim.created for claim in claims],
-            "lease_owners": [claim.lease_owner for claim in claims]}).fetchall()
+        rows = conn.execute(SQL.events_lock_if_leases_held, _batch_keys(claims)).fetchall()
         self.held: frozenset[str] = frozenset(row[0] for row in rows)
         self._applied: list[Claim] = []
 
@@ -381,8 +391,4 @@ class SetApplyTransaction(ApplyTransaction):
         """processing -> processed for every member applied (events_finish_if_leases_held); LL001 aborts
         the transaction if any of them no longer holds its lease."""
         if self._applied:
-            self._conn.execute(SQL.events_finish_if_leases_held, {
-                "ids": [claim.event_id for claim in self._applied],
-                "createds": [claim.created for claim in self._applied],
-                "lease_owners": [claim.lease_owner for claim in self._applied],
-                "attempts": [claim.attempt for claim in self._applied]})
+            self._conn.execute(SQL.events_finish_if_leases_held, _batch_keys(self._applied))
