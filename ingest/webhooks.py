@@ -108,7 +108,7 @@ def _receive(secrets_of: str, parse):
     outcome = "received" if delivery.inserted else "duplicate"
     if not delivery.inserted:
         metrics.DUPLICATES.labels(delivery.status.value).inc()
-    # DEBUG: a line per delivery costs the receiver ~100 µs; receiver_requests_total counts outcomes.
+    # DEBUG: a line per delivery costs the receiver ~100 µs; ingest_requests_total counts outcomes.
     log.debug("event recorded", extra={"event_id": event.id, "type": event.type, "outcome": outcome,
                                       "status": delivery.status.value, "enqueued": enqueued})
     return _answer(200, outcome, started, event_id=event.id, status=delivery.status.value, enqueued=enqueued)

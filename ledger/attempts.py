@@ -1,9 +1,10 @@
-"""The worker's side of the ledger: claim, apply-and-finish, fail, sweep (WorkerLedger).
+"""The worker's side of the ledger: claim, apply-and-finish, fail, sweep, rescue (WorkerLedger).
 
-Statements are named SQL (ledger/sql/events.sql, ledger/sql/objects.sql), each run through
-ledger.statements and its one retry rule, except the apply transaction (ApplyTransaction):
-it holds one connection from BEGIN to COMMIT and is never retried (a failed attempt is
-recorded and retried on the event's own schedule). The receiver's side is ledger.deliveries,
+Statements are named SQL (ledger/sql/events.sql; objects.sql, liveness.sql and thin.sql for
+what an apply transaction locks, holds and records), each run through ledger.statements and
+its one retry rule, except those of an apply transaction (ApplyTransaction, a savepoint per
+event; SetApplyTransaction, the set-based one): it holds one connection from BEGIN to COMMIT
+and is never retried (a failed attempt is recorded and retried on the event's own schedule). The receiver's side is ledger.deliveries,
 the operator's ledger.operator, the outbox's ledger.outbox.
 """
 from __future__ import annotations

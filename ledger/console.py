@@ -1,5 +1,6 @@
 """The console's side of the ledger: the event list and its counts, the overview, failure groups,
-replay jobs and reconcile reports. Statements: ledger/sql/console.sql.
+replay jobs and the login throttle's failures (reconcile reports: ledger/reconcile_runs.py).
+Statements: ledger/sql/console.sql; the event list, counts and replay are operations.sql's.
 
 Events are chosen by ``ledger.event_query.EventQuery``. Pages are keyset pages newest first: ``after``
 is the (received_at, id) of the last row shown.

@@ -2,8 +2,9 @@
 ``replay``) and the console (its list, counts and replay jobs).
 
 Each field set adds a fixed fragment (``_PREDICATES``), and only a field set adds one. So each
-combination gets a plan over the indexes of migration 0008, never a generic plan's scan. ``checked``
-is the console's rule: a time range made explicit and bounded. ledgerctl takes a query as given.
+combination gets a plan over the event list's indexes (migrations 0008, 0019), never a generic
+plan's scan. ``checked`` is the console's rule: a time range made explicit and bounded. ledgerctl
+takes a query as given.
 """
 from __future__ import annotations
 

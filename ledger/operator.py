@@ -2,7 +2,7 @@
 
 Replay runs the same kind of guarded compare-and-set as the workers: it can
 only move an event that nobody is working on. Statements are named SQL
-(ledger/sql/operations.sql, events.sql), run through ledger.statements.
+(ledger/sql/operations.sql, events.sql, thin.sql), run through ledger.statements.
 """
 from __future__ import annotations
 

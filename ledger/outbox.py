@@ -1,5 +1,5 @@
 """The outbox's side of the ledger: record (inside the apply transaction), claim,
-finish, fail, sweep, and the operator's list/show/replay.
+finish, fail, sweep, rescue, and the operator's list/show/replay.
 
 Statements are named SQL (ledger/sql/outbox.sql); outside the apply transaction
 they run through ledger.statements.

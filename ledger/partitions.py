@@ -2,10 +2,10 @@
 
 A partitioned ledger (``ledgerctl partitions migrate``, ledger/partition_migration.py) has ledger.events,
 ledger.deliveries and ledger.attempts partitioned by month of the event's Stripe ``created``. Months must exist before their events arrive: an event whose month
-has no partition lands in the default partition, which is kept small on purpose (it also takes
-the rows a retention run keeps past a dropped month). The sweep calls ``ensure`` at start and
-every LEDGER_RETENTION_INTERVAL_S (the hour, by default), for the current month and
-``AHEAD`` months after it; the metrics say how many months are ready and how many events
+has no partition lands in the default partition, which is kept small on purpose (a retention run
+keeps a month's remaining events in that month's new tables, not there). The sweep calls ``ensure``
+at start, then before each retention run (every LEDGER_RETENTION_INTERVAL_S, the hour by default)
+or, with no run to make, at least hourly, for the current month and ``AHEAD`` months after it; the metrics say how many months are ready and how many events
 strayed, and two alerts fire on them (docs/monitoring.md). On a ledger not partitioned yet
 every call here is a no-op (``health`` says so).
 """

@@ -3,9 +3,9 @@
 Each statement sits under a ``-- name: <name>`` line followed by comment lines
 saying which transition it performs and why its guard is what it is; code calls
 it by name (``SQL.event_claim``). ``SQL`` holds every ``ledger/sql/*.sql``: the
-only statements on ``ledger.*``. The billing handlers load theirs, on
-``billing.*``, from ``workers/billing/*.sql`` (writes in billing.sql, operator reads in
-reads.sql) the same way. Code outside ledger/ never imports ``SQL`` or the statement runner
+only statements on ``ledger.*``. The operator's reads of ``billing.*`` load the same way from
+``workers/billing/reads.sql``; the handlers' writes are composed from the table declarations
+(workers/rowsql.py). Code outside ledger/ never imports ``SQL`` or the statement runner
 (tests/unit/test_layout.py): it goes through a ledger class.
 """
 from __future__ import annotations

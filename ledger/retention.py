@@ -15,11 +15,14 @@ A run, one at a time across hosts (a session-level advisory lock: a second runne
 4. records it in ``ledger.archive_files``; only then
 5. **removes** the events it holds, a page per transaction, each only if its rows are still
    the ones its line was built from (its version, ledger/archive_lines.py: a delivery or a
-   replay since leaves it for the next run).
+   replay since leaves it for the next run). On a partitioned ledger a month past the window
+   leaves as tables instead: what it keeps is staged into new ones, swapped in under a short
+   lock, and the old ones dropped (a month whose tables stay locked waits for the next run).
 
 A run that dies anywhere repeats safely: before 5 nothing left the ledger, and a file
 without its manifest counts for nothing; during 5, the events not yet removed are
-archived again by the next run (a restore of both files writes each event once).
+archived again by the next run (a restore of both files writes each event once), which
+also finishes a month's swap that committed, or drops the staged tables of one that did not.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The Celery app, built from the same Settings as every other process.
 
-The broker only carries wake-ups (an event id); Postgres is the truth. So the
-settings below favour redelivery over loss, and a duplicate wake-up costs one
-failed compare-and-set, nothing more.
+The broker only carries wake-ups (an event's id, a receiver's group of them, or an
+effect's id); Postgres is the truth. So the settings below favour redelivery over
+loss, and a duplicate wake-up costs one failed compare-and-set, nothing more.
 """
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
 """Worker and sweep metrics (prometheus-client).
 
-Counters are incremented where things happen (processor, sweep). Ledger-wide
-gauges (events by status, oldest unprocessed age, due retries, expired leases)
-are read from Postgres at scrape time by ``LedgerCollector``: the ledger is the
-truth, so no process has to keep them in memory.
+Counters are incremented where things happen (processor, dispatcher, rescuer,
+sweep, catch-up, Stripe's API client). Ledger-wide gauges (events by status,
+oldest unprocessed age, due retries, expired leases; the outbox, retention,
+partitions, reconcile drift) are read from Postgres at scrape time by
+``LedgerCollector``: the ledger is the truth, so no process has to keep them in
+memory.
 
 ``serve(port)`` exposes them over HTTP. Celery's prefork children each count on
 their own: set ``PROMETHEUS_MULTIPROC_DIR`` (an empty directory per host) so the

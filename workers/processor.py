@@ -4,15 +4,19 @@ The path of an attempt (retries exhausted, fail, lease lost) is workers.attempt'
 shared with effect delivery; what is the event's own is here. Every wake-up takes
 the same path, whether it arrives alone (a countdown's, ``process``) or among the
 wake-ups a worker held together (``process_batch``): one compare-and-set claims
-every id it can; one transaction fences them all, runs each event's handlers in
+every id it can; one set-based transaction (``WorkerLedger.applying_together``, no
+savepoint per event) fences them all in one statement, runs each event's handlers in
 Stripe's order (they record rows, workers/rows.py), locks the objects those rows
-belong to, writes the batch's rows in one go (workers/writers.py) and finishes every
-event applied, and one COMMIT ends it (or a few, when a handler runs long: see
-``_apply_all``). When that transaction fails for a reason no event owns, the events
-are applied again each in a savepoint of its own (``WorkerLedger.applying``: fenced,
-written and finished per event, a failing one rolled back alone). After the COMMIT
-each attempt is concluded on its own by workers.attempt's rules, its failure recorded
-and its wake-ups sent.
+belong to, writes the batch's rows in one go (workers/writers.py), finishes every
+event applied in one statement, and one COMMIT ends it (or a few: an event whose
+objects another transaction holds goes in a later one that waits for them, and a
+handler that runs long ends its transaction early; see ``_apply_all``). An event
+whose own handlers fail takes that transaction with it: its failure is recorded and
+the others are applied again, together. Only when the transaction fails for a reason
+no event owns are the events applied again each in a savepoint of its own
+(``WorkerLedger.applying``: fenced, written and finished per event, a failing one
+rolled back alone). After the COMMIT each attempt is concluded on its own by
+workers.attempt's rules, its failure recorded and its wake-ups sent.
 
 A thin event notification is fetched first (workers/thin.py: the object or the v2 event
 it points at), after the claim and before the apply transaction opens, so no transaction

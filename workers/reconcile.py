@@ -4,7 +4,7 @@ Stripe's side is the list API (every object of the type, for the account), mappe
 the billing handlers' own pure mapping where a typed table holds the type; the local
 side is billing.customers, billing.subscriptions and billing.invoices, and the generic
 mirror billing.objects for every other type, for the same account and the API key's
-mode. Compared (``FIELDS``):
+mode. Compared (``TYPED``, ``MIRROR_FIELDS``):
 
 * customers: email, name, deleted
 * subscriptions: status, customer, price, quantity, cancel_at_period_end, current period
@@ -12,9 +12,10 @@ mode. Compared (``FIELDS``):
 * mirrored types: the fields ``MIRROR_FIELDS`` names for the type (status, amounts, ...)
 
 A drift is one of: missing_locally, missing_at_stripe (a local row Stripe does not
-list; a deleted one is not drift), stale_status, wrong_period, wrong_amount, or
-stale_field. An object that changed a moment ago may show as drift until its event
-is processed: run it again before repairing by hand.
+list; a deleted one is not drift), stale_status, wrong_period, wrong_amount,
+stale_field, or unmappable (Stripe's object lacks a field its row needs). An object
+that changed a moment ago may show as drift until its event is processed: run it
+again before repairing by hand.
 
 ``fix`` applies the fetched objects through the backfill path (so under the order
 guard: a row an event of the fetch's second or later wrote is kept, and reported

@@ -43,9 +43,9 @@ defines ``register_handlers(registry, settings)`` instead, as the built-in
 billing module does; ``load_handlers`` calls it.
 
 The connection is pipelined (see ``WorkerLedger.applying``): a statement's error
-surfaces at the next read of a result or at COMMIT; a savepoint
-(``ctx.conn.transaction()``) waits for its own statements, to catch one. A
-handler never commits or rolls back ``ctx.conn``: the worker ends the transaction.
+surfaces at the next read of a result, or once the event's handlers have run; a
+savepoint (``ctx.conn.transaction()``) waits for its own statements, to catch one.
+A handler never commits or rolls back ``ctx.conn``: the worker ends the transaction.
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ With LEDGER_ARCHIVE_URL set, ``run_forever`` also runs retention (ledger/retenti
 thread of its own every LEDGER_RETENTION_INTERVAL_S (0: never; ``ledgerctl retention run``
 still does): final events past their window archived, then removed. Several sweepers may
 run it: one run at a time holds the lock, the others skip theirs. On the same thread, before
-each run (and at least hourly, archive or not), the ledger's monthly partitions are made
+each run (or, with no run to make, at least hourly), the ledger's monthly partitions are made
 ahead of time (ledger/partitions.py).
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ from workers.wakeup import Waker
 
 log = logging.getLogger(__name__)
 
-# Partitions are looked after at least this often, whatever the retention schedule.
+# With no retention run scheduled, partitions are looked after at least this often (with one, before each run).
 PARTITIONS_INTERVAL_S = 3600.0
 
 

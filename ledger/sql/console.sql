@@ -1,6 +1,6 @@
--- The operator console (ledger/console.py): the overview, failure groups, replay jobs and
--- reconcile reports. Its event list and counts are operations.sql's (events_page,
--- events_count_capped), shared with ledgerctl.
+-- The operator console (ledger/console.py, ledger/reconcile_runs.py): the overview, failure
+-- groups, replay jobs, reconcile reports and failed logins. Its event list and counts are
+-- operations.sql's (events_page, events_count_capped), shared with ledgerctl.
 
 -- name: console_unfinished
 -- The overview's exact counts of every status but processed, the oldest unfinished event's age, the

@@ -1,4 +1,6 @@
--- Every statement that reads or moves ledger.events and ledger.attempts.
+-- The receiver's and the workers' statements on ledger.events and ledger.attempts: record,
+-- claim, fence, finish, fail, sweep, rescue. (The operator's are operations.sql's, retention's
+-- retention.sql's.)
 -- Transitions are compare-and-set: the expected state (and lease owner) sits in
 -- the WHERE clause, and "no row" is an outcome the caller names and handles.
 -- Beside an event's id, its status is tested as coalesce(status, '') (status is never

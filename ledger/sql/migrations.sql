@@ -1,5 +1,5 @@
--- Every statement of ledger/migrate.py on the migration history (the migrations
--- themselves are the files in ledger/migrations).
+-- Every statement of ledger/migrate.py on the migration history, and what ledger/index_builds.py
+-- reads of the catalog (the migrations themselves are the files in ledger/migrations).
 
 -- name: migration_lock
 -- Serialise concurrent `ledgerctl migrate` runs (several replicas may start at

@@ -1,4 +1,5 @@
--- Operator statements (ledgerctl): inspection, replay, retention.
+-- Operator statements (ledgerctl, and the console's event list and replays): inspection, replay,
+-- payload pruning.
 
 -- name: stats_by_status_and_type
 SELECT status, type, count(*) AS events

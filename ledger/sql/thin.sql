@@ -1,4 +1,5 @@
--- Thin event notifications (workers/thin.py, workers/health.py): health alerts, snapshot twins.
+-- Thin event notifications (workers/thin.py, workers/health.py): health alerts, snapshot twins,
+-- the objects they were applied as.
 
 -- name: health_alert_record
 -- Worker, in the apply transaction of a v2.core.health.event_generation_failure.resolved

@@ -2,8 +2,9 @@
 
 Human tables by default, ``--json`` for scripts. Exit codes: 0 done, 1 the
 command ran but found nothing / not everything succeeded, 2 bad usage or
-configuration; ``catchup`` adds 3 (an unrecoverable gap) and 4 (another
-catch-up of the account is running).
+configuration; ``catchup`` adds 3 (an unrecoverable gap); 4 means another
+process is doing the same work (a catch-up of the account, a retention run, a
+partition migration, a rebuild).
 """
 
 import sys

@@ -1,6 +1,6 @@
 """What every ledgerctl command shares: the context (settings, pool, ledgers, the waker), the
 parsing of times and durations, the output (tables, or JSON with --json), and the ``cli`` group
-the commands register on (ops/cli/events.py, outbox.py, stripe.py)."""
+the commands of every other module of ops/cli register on."""
 from __future__ import annotations
 
 import json

@@ -31,7 +31,7 @@ def _reprojection(obj: _Context, progress=None, parts: int | None = None, slice_
 
 
 slice_option = click.option("--slice-size", type=click.IntRange(1, 100000), default=None,
-                            help="Events per transaction (default 500).")
+                            help="Events per transaction (default 2000).")
 
 
 def _refused(exc) -> None:

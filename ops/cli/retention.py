@@ -1,5 +1,6 @@
-"""ledgerctl retention and archive: run retention, see its runs, hold events past their window, and
-list, verify and restore archived months (docs/retention.md)."""
+"""ledgerctl retention, archive and partitions: run retention, see its runs, hold events past their
+window; list, verify and restore archived months; see, make and migrate to the ledger's monthly
+partitions (docs/retention.md)."""
 from __future__ import annotations
 
 import dataclasses

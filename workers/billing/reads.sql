@@ -1,5 +1,5 @@
 -- Reads of the billing tables for operators (workers/billing/reads.py): ledgerctl events show
--- and reconcile. The writes stay with the handlers (billing.sql) and workers/billing/snapshots.py.
+-- and reconcile. The writes are composed from the table declarations (workers/rowsql.py).
 
 -- name: rows_written_by_events
 -- ledgerctl events show: the rows whose current state these events wrote, and their transition
