@@ -1,13 +1,8 @@
-"""The load generator: wrk replaying pre-signed deliveries through a Lua script.
-
-Every request is built (re-issued event id, body, Stripe-Signature) before wrk
-starts, so the load generator does no JSON or HMAC work while it measures: its
-own CPU time is reported next to each run. wrk is closed-loop: ``c`` connections,
-each sending its next request when the previous answer arrived; latencies are
-measured by wrk from sending a request to its complete answer (the ack).
-"""
+"""wrk, closed-loop (``c`` connections, each sending on the previous answer), replaying deliveries signed beforehand:
+no JSON or HMAC work while it measures (its CPU is reported); latency is from sending a request to its answer."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,19 +14,11 @@ from pathlib import Path
 
 from .payloads import SignedDelivery
 
-# Each request is sent once. The receiver's sync workers close every connection after
-# answering, so wrk reconnects before each request: a thread that has sent all its
-# requests stops at the next answer (an idle connection would pin a sync worker
-# until its timeout). The last requests still in flight then (fewer than the
-# connections) are answered by the receiver but not timed: callers that need every
-# delivery acknowledged wait for the ledger rows. wrk itself sleeps until -d is
-# over whatever its threads do, so a finished thread leaves a marker file and the
-# driver interrupts wrk (SIGINT: wrk prints what it measured and exits).
+# Each request is sent once. A thread that has sent all stops at the next answer (an idle connection would pin a sync
+# worker; those still in flight are answered, not timed) and leaves a marker file: wrk sleeps out -d whatever its
+# threads do, so the driver then interrupts it (SIGINT: wrk prints what it measured and exits).
 LUA = r"""
-local reqs = {}
-local n = 0
-local sent = 0
-local answered = 0
+local reqs, n, sent, answered = {}, 0, 0, 0
 
 function setup(thread)
   thread:set("id", tostring(__thread_counter or 0))
@@ -39,33 +26,24 @@ function setup(thread)
 end
 
 function init(args)
-  verifying = (id == "0")
-  marker = args[2] .. "." .. id
-  local path = args[1] .. "." .. id
-  local f = assert(io.open(path, "rb"))
+  verifying, marker = (id == "0"), args[2] .. "." .. id
+  local f = assert(io.open(args[1] .. "." .. id, "rb"))
   while true do
-    local path = f:read("*l")
+    local path, sig, len = f:read("*l", "*l", "*l")
     if not path then break end
-    local sig = f:read("*l")
-    local len = tonumber(f:read("*l"))
-    local body = f:read(len)
-    f:read(1)
+    local body = f:read(tonumber(len), 1)  -- the body, then its newline
     n = n + 1
-    reqs[n] = wrk.format("POST", path,
-                         {["Content-Type"] = "application/json", ["Stripe-Signature"] = sig}, body)
+    reqs[n] = wrk.format("POST", path, {["Content-Type"] = "application/json", ["Stripe-Signature"] = sig}, body)
   end
   f:close()
 end
 
 function request()
-  if verifying then
-    -- wrk calls request() once on thread 0 to check the script and never sends it.
+  if verifying then  -- wrk calls request() once on thread 0 to check the script and never sends it
     verifying = false
     return reqs[1] or wrk.format("GET", "/healthz")
   end
-  if sent >= n then
-    return ""
-  end
+  if sent >= n then return "" end
   sent = sent + 1
   return reqs[sent]
 end
@@ -73,7 +51,6 @@ end
 function response(status, headers, body)
   answered = answered + 1
   if sent >= n and not finished then
-    -- wrk's main thread sleeps out the whole -d: the driver sees this file and sends SIGINT.
     finished = true
     local f = io.open(marker, "w")
     f:write(tostring(answered))
@@ -83,8 +60,7 @@ function response(status, headers, body)
 end
 
 function done(summary, latency, requests)
-  local p = function(q) return latency:percentile(q) end
-  local e = summary.errors
+  local p, e = function(q) return latency:percentile(q) end, summary.errors
   io.write(string.format(
     'BENCH_JSON {"requests":%d,"duration_us":%d,"bytes":%d,' ..
     '"errors":{"connect":%d,"read":%d,"write":%d,"status":%d,"timeout":%d},' ..
@@ -120,26 +96,21 @@ class WrkResult:
 
 class Wrk:
     def __init__(self, work_dir: Path, threads: int = 1):
-        self.work_dir = work_dir
-        self.threads = threads
-        self.binary = shutil.which("wrk")
+        self.work_dir, self.threads, self.binary, self._runs = work_dir, threads, shutil.which("wrk"), 0
         if not self.binary:
             raise RuntimeError("wrk not found: apt-get install -y wrk")
         self.script = work_dir / "replay.lua"
         self.script.write_text(LUA)
-        self._runs = 0
 
     def write_requests(self, deliveries: list[SignedDelivery], threads: int) -> Path:
-        """Split the deliveries over the threads' files (per request: endpoint, signature, length, body);
-        returns the path prefix."""
+        """The deliveries split over the threads' files (each: path, signature, length, body); the path prefix."""
         self._runs += 1
         prefix = self.work_dir / f"requests-{self._runs}"
         for t in range(threads):
             with open(f"{prefix}.{t}", "wb") as fh:
                 for d in deliveries[t::threads]:
                     data = d.body.encode()
-                    fh.write(d.path.encode() + b"\n" + d.signature.encode() + b"\n" + str(len(data)).encode()
-                             + b"\n" + data + b"\n")
+                    fh.write(b"\n".join([d.path.encode(), d.signature.encode(), str(len(data)).encode(), data, b""]))
         return prefix
 
     def run(self, port: int, deliveries: list[SignedDelivery], connections: int, *,
@@ -155,12 +126,8 @@ class Wrk:
         started = time.time()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            last_check, interrupted_at, last_sigint, usage, status = 0.0, None, 0.0, None, 0
-            while usage is None:
-                pid, status, rusage = os.wait4(proc.pid, os.WNOHANG)
-                if pid:
-                    usage = rusage
-                    break
+            last_check, interrupted_at, last_sigint = 0.0, None, 0.0
+            while not (waited := os.wait4(proc.pid, os.WNOHANG))[0]:
                 if interrupted_at is None:
                     done = all(m.exists() for m in markers)
                     if not done and stop_when is not None and time.monotonic() - last_check >= poll_s:
@@ -171,35 +138,28 @@ class Wrk:
                         interrupted_at = last_sigint = time.monotonic()
                 elif time.monotonic() - interrupted_at > 60:
                     os.killpg(proc.pid, signal.SIGKILL)
-                elif time.monotonic() - last_sigint >= 1:
-                    # Until wrk has loaded its requests and installed its handler, SIGINT is
-                    # lost (ignored when this runs as a background job): ask again.
+                elif time.monotonic() - last_sigint >= 1:  # SIGINT is lost until wrk has its handler: ask again
                     proc.send_signal(signal.SIGINT)
                     last_sigint = time.monotonic()
                 time.sleep(0.01)
+            _, status, usage = waited
             proc.returncode = os.waitstatus_to_exitcode(status)
         except BaseException:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             raise
         ended = time.time()
         output = proc.stdout.read().decode(errors="replace")
         proc.stdout.close()
-        for t in range(threads):
-            Path(f"{prefix}.{t}").unlink(missing_ok=True)
-            markers[t].unlink(missing_ok=True)
+        for path in [*markers, *(Path(f"{prefix}.{t}") for t in range(threads))]:
+            path.unlink(missing_ok=True)
         line = next((l for l in output.splitlines() if l.startswith("BENCH_JSON ")), None)
         if line is None:
             raise RuntimeError(f"wrk printed no result (exit {proc.returncode}):\n{output[-2000:]}")
         data = json.loads(line[len("BENCH_JSON "):])
         duration = data["duration_us"] / 1e6
-        lat = data["latency_us"]
-        errors = sum(data["errors"].values())
         return WrkResult(connections=connections, requests=data["requests"], duration_s=duration,
                          rps=data["requests"] / duration if duration else 0.0,
-                         p50_ms=lat["p50"] / 1000, p90_ms=lat["p90"] / 1000, p95_ms=lat["p95"] / 1000,
-                         p99_ms=lat["p99"] / 1000, max_ms=lat["max"] / 1000, mean_ms=lat["mean"] / 1000,
-                         errors=errors, error_detail=data["errors"],
+                         **{f"{key}_ms": us / 1000 for key, us in data["latency_us"].items()},
+                         errors=sum(data["errors"].values()), error_detail=data["errors"],
                          wrk_cpu_s=usage.ru_utime + usage.ru_stime, started_at=started, ended_at=ended)

@@ -1,12 +1,6 @@
-"""The benchmark's own stack, on the toolkit: a private Postgres and Redis, the real receiver and real workers.
-
-``devkit.servers`` and ``devkit.stack`` start them (process groups of their own, on free
-ports); ``Bench`` registers each with a ``devkit.procs.Cleanup`` that stops it (also on
-Ctrl-C or SIGTERM) and removes the private servers' directories. Nothing here touches
-the machine's shared Postgres or Redis. What is the benchmark's own: the server's
-settings, the worker fleet, and the per-process accounting (``ProcessWatch``,
-``wire_segments``).
-"""
+"""The benchmark's own stack on the toolkit (``devkit.servers``, ``devkit.stack``): a private Postgres, the real
+receiver, workers and sweep, and the per-process accounting (``ProcessWatch``, ``MachineCpu``, ``wire_segments``).
+Nothing here touches the machine's shared Postgres or Redis."""
 from __future__ import annotations
 
 import os
@@ -22,9 +16,7 @@ from devkit.procs import cpu_seconds, memory_kb, signal_group, wait_until
 from devkit.servers import PrivatePostgres
 from devkit.stack import DEFAULT_RECEIVER_SERVER, Checkout, ReadmeWorker, Receiver, Sweep, Worker
 
-# Durability as Postgres ships it (fsync and synchronous_commit on): the limit it measures is
-# the one production has. pg_stat_statements counts statements; the rest sizes the server
-# for the 1M-event history and the benchmark's connections.
+# Durability as shipped (fsync, synchronous_commit on), as in production; sized for the 1M-event history.
 POSTGRES_OPTIONS = {"max_connections": "300", "shared_buffers": "1GB",
                     "shared_preload_libraries": "pg_stat_statements", "pg_stat_statements.track": "top",
                     "pg_stat_statements.max": "5000", "track_io_timing": "on", "max_wal_size": "8GB",
@@ -34,28 +26,6 @@ POSTGRES_OPTIONS = {"max_connections": "300", "shared_buffers": "1GB",
 def bench_postgres() -> PrivatePostgres:
     """The benchmark's server (not started), in a temporary directory that ``destroy()`` removes."""
     return PrivatePostgres(dir=Path(tempfile.mkdtemp(prefix="ledger-bench-pg-")), options=POSTGRES_OPTIONS)
-
-
-def migrated_database(cleanup, name: str, *, partitioned: bool = False, servers: list | None = None) -> str:
-    """A started bench server (destroyed by ``cleanup``; appended to ``servers`` if given, for its CPU)
-    holding database ``name`` with the ledger's schema (``partitioned``: then partitioned, as ``ledgerctl
-    partitions migrate`` does it); its URL."""
-    import psycopg
-
-    from ledger.migrate import migrate
-
-    pg = bench_postgres()
-    if servers is not None:
-        servers.append(pg)
-    cleanup.add("private postgres", pg.destroy)
-    pg.init().start()
-    with psycopg.connect(pg.url_for("postgres"), autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    url = pg.url_for(name)
-    migrate(url)
-    if partitioned:
-        partition(url)
-    return url
 
 
 def partition(url: str) -> None:
@@ -72,38 +42,31 @@ def partition(url: str) -> None:
 
 
 def partition_months(conn, days: float) -> None:
-    """On a partitioned ledger, a partition for every month of the last ``days`` (as a migrated ledger has for
-    its history; a new one starts at the month 31 days back): made before the rows are written."""
+    """On a partitioned ledger, a partition for every month of the last ``days``, made before the rows are written
+    (a migrated ledger has them for its history; a new one starts at the month 31 days back)."""
     conn.execute("SELECT ledger.partition_create(m::date) FROM generate_series(date_trunc('month', now() - "
                  "make_interval(days => %(days)s + 1)), date_trunc('month', now()), interval '1 month') m "
                  "WHERE ledger.is_partitioned()", {"days": int(days)})
 
 
 class WorkerFleet:
-    """N ``celery -A workers worker --concurrency 1`` instances: one per "machine" the user adds.
-
-    With ``readme``, each is ``celery -A workers worker --concurrency N`` exactly as docs/configuration.md
-    runs it instead (``devkit.stack.ReadmeWorker``: every queue, Celery's own log level);
-    ``checkout`` runs another revision's celery (``--compare``).
-    """
+    """``count`` ``celery -A workers worker`` of ``checkout``'s revision, one per "machine" the user adds; with
+    ``readme``, each as docs/configuration.md runs it (``ReadmeWorker``: every queue, Celery's log level)."""
 
     def __init__(self, env: Mapping[str, str], log_dir: Path, *, count: int, queue: str, label: str = "w",
                  nice: int = 0, concurrency: int = 1, readme: bool = False, checkout: Checkout = Checkout()):
-        self.concurrency = concurrency
-        nodes = [f"{label}{index}-{os.getpid()}" for index in range(count)]
-        if readme:
-            workers = [ReadmeWorker(env, log_dir, concurrency=concurrency, node=node) for node in nodes]
-        else:
-            workers = [Worker(env, log_dir, queues=(queue,), concurrency=concurrency, node=node, nice=nice)
-                       for node in nodes]
-        self.workers = [checkout.adopt(worker) for worker in workers]
+        self.concurrency, self._log_marks = concurrency, {}
+        self.workers = [checkout.adopt(
+            ReadmeWorker(env, log_dir, concurrency=concurrency, node=node) if readme
+            else Worker(env, log_dir, queues=(queue,), concurrency=concurrency, node=node, nice=nice))
+            for node in (f"{label}{index}-{os.getpid()}" for index in range(count))]
 
     def start(self, timeout_s: float = 90) -> "WorkerFleet":
         self.mark_logs()
         for worker in self.workers:
             worker.start()
 
-        def pools_up() -> bool:  # every worker has forked its pool processes
+        def pools_up() -> bool:
             for worker in self.workers:
                 worker.ensure_alive()
             return all(len(worker.children()) >= self.concurrency for worker in self.workers)
@@ -116,9 +79,8 @@ class WorkerFleet:
 
     def log_mentions(self, text: str) -> int:
         """Lines of the workers' logs since the last ``mark_logs`` (the fleet's start) that contain ``text``."""
-        marks = getattr(self, "_log_marks", {})
-        return sum(line.count(text) > 0 for worker in self.workers
-                   for line in worker.log()[marks.get(worker.log_path, 0):].splitlines())
+        return sum(text in line for worker in self.workers
+                   for line in worker.log()[self._log_marks.get(worker.log_path, 0):].splitlines())
 
     def pids(self) -> dict[str, list[int]]:
         return {"worker main": [w.pid for w in self.workers if w.pid],
@@ -133,10 +95,8 @@ class WorkerFleet:
 
 
 class Stack:
-    """The whole stack as docs/configuration.md runs it: the receiver (``receiver_server``, 4 workers), two
-    ``celery -A workers worker --concurrency 2`` (2 parents, 4 pool children) and the recovery
-    sweep (``ledgerctl sweep --loop``), all of ``checkout``'s revision. ``start`` returns once
-    every process is up; the workers consume from then on, which the caller's warm-up shows."""
+    """The whole stack of ``checkout``'s revision as docs/configuration.md runs it: receiver, README workers and
+    recovery sweep. ``start`` returns once every process is up; the caller's warm-up shows them consuming."""
 
     def __init__(self, env: Mapping[str, str], log_dir: Path, *, queue: str, label: str,
                  checkout: Checkout = Checkout(), receiver_server: str = DEFAULT_RECEIVER_SERVER,
@@ -170,19 +130,13 @@ class Stack:
 
 
 class MachineCpu:
-    """The whole machine's CPU over a window, from the first line of /proc/stat (every core together).
-
-    ``busy`` is 1 - idle/total, a fraction of all cores (1.0: every core busy the whole window);
-    time waiting on I/O with nothing to run (iowait) is not idle by this measure, and is reported
-    apart (``iowait``). Everything on the machine counts: the measured processes, the benchmark's
-    own, and whatever else runs on a shared machine.
-    """
+    """The whole machine's CPU over a window (first line of /proc/stat): ``busy`` = 1 - idle/total, a fraction of
+    all cores, so iowait counts as busy and is reported apart too. Whatever else runs on a shared machine counts."""
 
     @staticmethod
     def _read() -> list[int]:
         with open("/proc/stat") as fh:
-            fields = fh.readline().split()[1:]
-        return [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal (guest is in user)
+            return [int(v) for v in fh.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
 
     def begin(self) -> "MachineCpu":
         self._t0 = self._read()
@@ -191,8 +145,7 @@ class MachineCpu:
     def end(self) -> dict[str, float]:
         delta = [b - a for a, b in zip(self._t0, self._read())]
         total = sum(delta) or 1
-        return {"busy": 1 - delta[3] / total, "iowait": delta[4] / total,
-                "user": (delta[0] + delta[1]) / total, "system": (delta[2] + delta[5] + delta[6]) / total}
+        return {"busy": 1 - delta[3] / total, "iowait": delta[4] / total}
 
 
 @dataclass
@@ -205,38 +158,23 @@ class ProcessWatch:
         self._start = {pid: cpu_seconds(pid) for pids in self.groups().values() for pid in pids}
 
     def cpu_s(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for name, pids in self.groups().items():
-            out[name] = sum(max(0.0, cpu_seconds(pid) - self._start.get(pid, 0.0)) for pid in pids)
-        return out
+        return {name: sum(max(0.0, cpu_seconds(pid) - self._start.get(pid, 0.0)) for pid in pids)
+                for name, pids in self.groups().items()}
 
     def peak_rss_mb(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for name, pids in self.groups().items():
-            peaks = [memory_kb(pid).get("VmHWM", 0) for pid in pids]
-            if peaks:
-                out[name] = max(peaks) / 1024
-        return out
+        return {name: max(memory_kb(pid).get("VmHWM", 0) for pid in pids) / 1024
+                for name, pids in self.groups().items() if pids}
 
 
 def wire_segments(pids: list[int], port: int) -> dict[tuple[int, int], tuple[int, int]]:
-    """Per TCP connection of these processes to ``port``: (data segments in, data segments out).
-
-    From the kernel's own counters (``ss -ti``). Postgres sends its answers only
-    when the client asks (Sync, Flush) or its buffer fills, so the data segments
-    a client receives on loopback (MSS of tens of KB) count its round trips,
-    pipelined or not; the segments it sends count its writes.
-    """
+    """Per TCP connection of these processes to ``port``: (data segments in, data segments out), from ``ss -ti``.
+    Postgres answers only when asked (Sync, Flush) or its buffer fills, so on loopback (MSS of tens of KB) the
+    segments a client receives count its round trips, pipelined or not; those it sends count its writes."""
     out = subprocess.run(["ss", "-tinpH", "dst", f"127.0.0.1:{port}"], capture_output=True, text=True).stdout
-    wanted = set(pids)
     counts: dict[tuple[int, int], tuple[int, int]] = {}
     for head, info in zip(*[iter(out.splitlines())] * 2):
-        pid_match = re.search(r"pid=(\d+)", head)
-        local = re.search(r"127\.0\.0\.1:(\d+)\s", head)
-        if not pid_match or not local or int(pid_match[1]) not in wanted:
-            continue
-        seg_in = re.search(r"data_segs_in:(\d+)", info)
-        seg_out = re.search(r"data_segs_out:(\d+)", info)
-        counts[(int(pid_match[1]), int(local[1]))] = (int(seg_in[1]) if seg_in else 0,
-                                                      int(seg_out[1]) if seg_out else 0)
+        pid, local = re.search(r"pid=(\d+)", head), re.search(r"127\.0\.0\.1:(\d+)\s", head)
+        if pid and local and int(pid[1]) in pids:
+            segs = [re.search(rf"data_segs_{way}:(\d+)", info) for way in ("in", "out")]
+            counts[(int(pid[1]), int(local[1]))] = tuple(int(s[1]) if s else 0 for s in segs)
     return counts

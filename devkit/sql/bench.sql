@@ -17,7 +17,7 @@ CREATE ROLE {role} LOGIN SUPERUSER
 CREATE EXTENSION IF NOT EXISTS pg_stat_statements
 
 -- name: bench_schema_create
--- Tables of the benchmark's own (bench.drain_work), next to the ledger's.
+-- A schema for tables of the benchmark's own, next to the ledger's.
 CREATE SCHEMA IF NOT EXISTS bench
 
 -- State between measurements.

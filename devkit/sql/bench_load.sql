@@ -18,27 +18,6 @@ COPY ledger.deliveries (event_id, event_created) FROM STDIN
 -- Statistics for the new rows before anything is measured on them.
 ANALYZE ledger.events
 
--- pgbench's parameters for the drain's limit (DrainScript): one row per event, the
--- values the worker's handlers would have bound, one text column per parameter.
-
--- name: bench_drain_work_drop
-DROP TABLE IF EXISTS bench.drain_work
-
--- name: bench_drain_work_create
-CREATE TABLE bench.drain_work (n integer PRIMARY KEY, ev_id text NOT NULL, kind integer NOT NULL,
-                               worker text NOT NULL, lease_owner text NOT NULL{parameter_columns})
-
--- name: bench_drain_work_copy
-COPY bench.drain_work (n, ev_id, kind, worker, lease_owner{parameter_columns}) FROM STDIN
-
--- name: bench_drain_work_analyze
-ANALYZE bench.drain_work
-
--- name: bench_drain_work_row
--- pgbench, first in each transaction: the event's parameters by primary key (the worker maps
--- them from the payload in Python; so the limit it measures is, if anything, understated).
-SELECT * FROM bench.drain_work WHERE n = %(n)s
-
 -- The history (scale): set-based INSERT ... SELECT generate_series, run on two connections
 -- at once with foreign-key triggers off (the rows are consistent by construction). Event g
 -- (of `total`) is 'evt_' || substr(md5('e' || g), 1, 24), received at `start` plus `step` per

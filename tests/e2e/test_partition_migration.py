@@ -1,8 +1,7 @@
 """The online migration of a ledger that had events before migration 0012 (``ledgerctl partitions migrate``,
 ledger/partition_migration.py), run as the installed command while the real receiver takes events and a real
 worker processes them: no answer but 200, no event lost or doubled, every row of the history as it was.
-On a bounded history here; the 1,000,000-event run is devkit.benchmarks.partition_migration
-(docs/benchmarks.md)."""
+On a bounded history here; docs/benchmarks.md ("Tried and not kept") has the 1,000,000-event run's swap."""
 from __future__ import annotations
 
 import dataclasses

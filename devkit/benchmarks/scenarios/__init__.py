@@ -1,0 +1,1 @@
+"""The scenarios of ops/bench, one module each, listed in runner.SCENARIOS."""
