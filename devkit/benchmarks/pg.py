@@ -62,17 +62,18 @@ class BenchDatabase:
 
     def reset(self) -> None:
         """Empty every ledger and billing table, then VACUUM ANALYZE (a fresh, empty ledger)."""
-        tables = [r[0] for r in self.q(SQL.bench_tables_to_reset)]
+        self.q_past_deadlocks(compose(SQL.bench_truncate, tables=[r[0] for r in self.q(SQL.bench_tables_to_reset)]))
+        self.vacuum()
+
+    def q_past_deadlocks(self, sql: str | Composable) -> list[tuple]:
+        """``sql``, again after a deadlock: a delivery wrk sent before it stopped may still be inserting."""
         for attempt in range(3):
             try:
-                self.q(compose(SQL.bench_truncate, tables=tables))
-                break
+                return self.q(sql)
             except psycopg.errors.DeadlockDetected:
-                # A delivery wrk sent before it stopped may still be inserting: wait for it to end.
                 if attempt == 2:
                     raise
                 time.sleep(1)
-        self.vacuum()
 
     def vacuum(self, *tables: str, index_cleanup: bool = False) -> None:
         # INDEX_CLEANUP ON: a plain VACUUM may skip the indexes, leaving entries of rows that left a partial index.

@@ -363,7 +363,7 @@ class Bench:
         if self.label == "empty":
             self.db.reset()
         else:
-            self.db.q(SQL.bench_delete_unfinished)
+            self.db.q_past_deadlocks(SQL.bench_delete_unfinished)
             # Back to what TRUNCATE gives the empty ledger: partial indexes holding only live rows.
             self.db.vacuum("ledger.events", "ledger.deliveries", index_cleanup=True)
 

@@ -92,7 +92,7 @@ def run(b: Bench) -> dict[str, Any]:
     ingest_ratios = {e["concurrency"]: {"rps": f["rps"] / e["rps"], "p99": ratio(e["p99_ms"], f["p99_ms"]),
                                         "pgbench": ratio(f["pgbench_tps"], e["pgbench_tps"])}
                      for e, f in zip(empty["ingest"]["levels"], full_ingest["levels"])}
-    drain_ratios = {e["workers"]: {"events_per_s": f["events_per_s"] / e["events_per_s"]}
+    drain_ratios = {e["workers"]: {"events_per_s": ratio(f["events_per_s"], e["events_per_s"])}
                     for e, f in zip(empty["drain"]["runs"], full_drain["runs"])}
     es = empty["sweep"]
     sweep_ratio = {"pass": ratio(es["pass_ms"], full_sweep["pass_ms"]),
