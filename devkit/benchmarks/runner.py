@@ -626,7 +626,7 @@ def write_docs(results: dict[str, Any], values: dict[str, dict[str, Any]]) -> No
     when = f"{meta['started'][:10]}, {meta['machine'].get('git', '?')}{'+' if meta['machine'].get('git_dirty') else ''}"
     load = meta["load_during"]["mean"]
     text = DOCS.read_text()
-    if results.get("steady") and hasattr(scenario("steady"), "docs_table"):
+    if results.get("steady"):
         head, _, tail = _block(text, SIDE_BEGIN, SIDE_END)
         text = (f"{head}{SIDE_BEGIN}\n{scenario('steady').docs_table(results['steady'])}\n\n"
                 f"Measured {when}, load mean {load:.1f} on {meta['machine'].get('cpus')} cores: "
